@@ -153,7 +153,8 @@ def run_demo(
         traces = asyncio.run(_make_traces(settings, sft_problems, out))
     with phase("drills", f"SFT on copy drills: {settings.demo.drill_steps} steps (learn to copy numbers)"):
         drilled = _drill(settings, init_model, out, progress)
-    with phase("sft", f"SFT on {len(traces)} examples (tool-using traces with imperfections)"):
+    drills = f" + {settings.demo.copy_drills} copy drills" if settings.demo.copy_drills else ""
+    with phase("sft", f"SFT on {len(traces)} examples (tool-using traces with imperfections{drills})"):
         sft_model = _sft(settings.sft, settings, drilled, out / "data" / "sft_traces.jsonl", out, progress)
     with phase("eval_sft", "evaluate the SFT model on held-out problems"):
         evals = {"sft": asyncio.run(_evaluate(settings, sft_model, heldout, out / "eval_sft", progress))}

@@ -203,7 +203,8 @@ def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig
         "train/trained_tokens": int(trained),
         "train/sequences": len(samples),
         # Mean |engine - trainer| log-prob of the sampled tokens: ~0 when weight sync works (numeric noise
-        # only); a gap that grows over steps means the engines sample from stale weights.
+        # only); a gap that grows over steps means the engines sample from stale weights. The engine
+        # reports log-probs at the sampling temperature, so the gap is only ~0 at temperature 1.
         "train/engine_logprob_gap": gap_sum / per_token,
     }
     if alg.kl_coef:
