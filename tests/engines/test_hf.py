@@ -159,10 +159,13 @@ async def test_load_weights_changes_outputs(engine, prompts):
 
 async def test_closed_engine_fails_fast(tiny_model_dir, prompts):
     eng = HFEngine(EngineConfig(model=str(tiny_model_dir), device="cpu"))
+    # The untrained model emits an end-of-turn token by chance; with seed 1 its first one comes after
+    # ~600 tokens, so the request is surely still decoding when the engine closes.
     pending = asyncio.create_task(
-        eng.generate(prompts[0], SamplingParams(max_tokens=10_000, stop_token_ids=[]))
+        eng.generate(prompts[0], SamplingParams(max_tokens=10_000, stop_token_ids=[], seed=1))
     )
-    await asyncio.sleep(0.1)
+    while eng.stats()["running"] == 0:
+        await asyncio.sleep(0.01)
     await eng.close()
     with pytest.raises(RuntimeError, match="closed"):
         await asyncio.wait_for(pending, 10)
