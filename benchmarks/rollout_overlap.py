@@ -61,7 +61,7 @@ async def replay(engine: HFEngine, traj: Trajectory) -> None:
 async def main(args: argparse.Namespace) -> None:
     import torch
 
-    from tirl.engines.tiny_model import create_tiny_model
+    from tirl.tiny_model import create_tiny_model
 
     # A tiny model gains nothing from intra-op threads, and on a busy 2-core machine they spin against
     # each other (measured: 10-20x slower elementwise ops at 2 threads than at 1).

@@ -100,7 +100,7 @@ def main() -> None:
 
     model = args.model
     if not model:
-        from tirl.engines.tiny_model import create_tiny_model
+        from tirl.tiny_model import create_tiny_model
 
         model = str(create_tiny_model(Path(tempfile.mkdtemp(prefix="tirl-tiny-")), preset="tiny"))
     cfg = EngineConfig(backend="vllm", model=model, kv_cache_gb=args.kv_gb, max_model_len=args.max_len + 64)

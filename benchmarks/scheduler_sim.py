@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/scheduler_sim.py [--engines 4] [--prompts 64] [--group 16]
 
 Each load shape is a batch of prompts x group multi-turn trajectories (length limit L) on E engines
-of one cost model (tirl.engines.sim.EngineModel: a 14B model on one 80 GB GPU). What is modelled (see
-tirl.engines.sim): vLLM-like in-engine FCFS admission by free KV, recompute preemption (the victim
+of one cost model (rollout_sim.EngineModel: a 14B model on one 80 GB GPU). What is modelled (see
+rollout_sim): vLLM-like in-engine FCFS admission by free KV, recompute preemption (the victim
 re-prefills its whole context and waits at the head of the queue), prefix-cache eviction between
 turns, decode step time growing with batch size and KV read, tool latency between turns.
 Distributions (why these):
@@ -36,7 +36,7 @@ import argparse
 import math
 import time
 
-from tirl.engines.sim import EngineModel, SimResult, Workload, simulate
+from rollout_sim import EngineModel, SimResult, Workload, simulate
 
 
 def lognormal(median: float, sigma: float):

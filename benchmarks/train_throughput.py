@@ -22,13 +22,13 @@ from rich.table import Table
 
 from tirl.config import dump_config
 from tirl.data import write_problems
-from tirl.data.synthetic import generate
-from tirl.engines.tiny_model import create_tiny_model
+from tirl.demo.synthetic import generate
 from tirl.rl.config import AlgorithmConfig, OptimConfig, TrainConfig
 from tirl.rl.distributed import init_distributed
 from tirl.rl.metrics import read_metrics
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.trainer import grpo_update, run_training
+from tirl.tiny_model import create_tiny_model
 
 
 def fixed_batch(vocab: int, n: int, prompt: int, response: int, seed: int = 0) -> list[TrainSample]:

@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialized tiny Qwen3 model + locally trained tokenizer, created once per session."""
-    from tirl.engines.tiny_model import create_tiny_model
+    from tirl.tiny_model import create_tiny_model
 
     return create_tiny_model(tmp_path_factory.mktemp("tiny_model"), preset="tiny", seed=0)

@@ -94,7 +94,7 @@ def model_init(
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Create a tiny Qwen3-architecture model with a locally trained tokenizer (no network)."""
-    from tirl.engines.tiny_model import PRESETS, create_tiny_model
+    from tirl.tiny_model import PRESETS, create_tiny_model
 
     if preset not in PRESETS:
         raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")

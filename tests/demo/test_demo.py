@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tirl.config import ConfigError
-from tirl.demo import (
+from tirl.demo.pipeline import (
     MARKER,
     DemoError,
     error_ratio_in_correct,

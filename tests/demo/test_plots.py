@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tirl.plots import TRAINING_CURVES, moving_average, plot_accuracy, plot_training
+from tirl.demo.plots import TRAINING_CURVES, moving_average, plot_accuracy, plot_training
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

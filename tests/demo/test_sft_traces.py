@@ -9,8 +9,8 @@ import pytest
 
 from tirl.agent.config import AgentConfig
 from tirl.agent.protocol import build_prompt_text, count_answer_blocks, parse_tool_calls
-from tirl.data.sft_traces import TraceMix, buggy_variant, copy_drills, make_traces, write_traces
-from tirl.data.synthetic import generate
+from tirl.demo.sft_traces import TraceMix, buggy_variant, copy_drills, make_traces, write_traces
+from tirl.demo.synthetic import generate
 from tirl.reward import score
 
 SCHEMA = {"name": "python", "parameters": {"properties": {"code": {"type": "string"}}, "required": ["code"]}}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tirl.data.synthetic import FAMILIES, generate, is_heldout, write_jsonl
+from tirl.demo.synthetic import FAMILIES, generate, is_heldout, write_jsonl
 
 
 def test_generation_is_deterministic_distinct_and_round_robin():

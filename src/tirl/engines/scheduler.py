@@ -19,7 +19,7 @@ admission (full caches, many preemptions) dynamic is at par, 0.9-1.15x with rese
 preemptions; against turn-synchronous static it is 1.3-3x faster.
 
 `Admission` is the placement policy alone (no clock, no asyncio), shared by `RolloutScheduler`
-and the discrete-event simulator (tirl.engines.sim).
+and the discrete-event simulator (benchmarks/rollout_sim.py).
 """
 
 from __future__ import annotations

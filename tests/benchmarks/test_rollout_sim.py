@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tirl.engines.sim import EngineModel, Workload, simulate
+from rollout_sim import EngineModel, Workload, simulate
 
 ENGINE = EngineModel(kv_tokens=40_000)
 

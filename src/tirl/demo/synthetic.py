@@ -3,7 +3,7 @@
 Each task family turns a few random integers below 1000 into a problem statement, the Python code that
 solves it and an integer answer that is (almost always) below 1000 too: with the demo preset's tokenizer
 every such number is one token, so copying it into code and out of the tool's output is one token per
-number (tirl.engines.tiny_model). The code only COPIES numbers from the statement (no mental arithmetic such as
+number (tirl.tiny_model). The code only COPIES numbers from the statement (no mental arithmetic such as
 `n + 1`), so a tiny model can learn to write it, while guessing the answer without running it fails.
 
 The split is a property of the problem, not of the seed: a problem is held out when a hash of its

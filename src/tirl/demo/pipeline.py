@@ -1,8 +1,8 @@
 """The tiny CPU experiment (`tirl demo`): SFT -> eval -> GRPO-RoC -> eval -> report, in minutes.
 
 A randomly initialized tiny Qwen3 model first learns to copy numbers (copy drills: what pretraining
-would give it), then the tool protocol from programmatic traces (tirl.data.sft_traces),
-is evaluated on held-out synthetic problems (tirl.data.synthetic), trained with
+would give it), then the tool protocol from programmatic traces (tirl.demo.sft_traces),
+is evaluated on held-out synthetic problems (tirl.demo.synthetic), trained with
 GRPO-RoC against the real sandbox and reward, and evaluated again with the same settings. Everything
 lands under one output directory: models, metrics JSONL, evaluation reports, PNG plots, report.md and
 summary.json. `--compare grpo` also trains plain GRPO (RoC off) with the same budget, for the paper's
@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tirl.agent.config import AgentConfig
 from tirl.config import ConfigError, apply_overrides, read_yaml
-from tirl.data.sft_traces import TraceMix
+from tirl.demo.sft_traces import TraceMix
 
-CONFIG_DIR = Path(__file__).parent / "configs" / "demo"
+CONFIG_DIR = Path(__file__).parent.parent / "configs" / "demo"
 MARKER = ".tirl-demo"  # marks a directory the demo may wipe on the next run
 SECTIONS = ("demo", "agent", "drills", "sft", "train", "eval")
 COMPARE = {"grpo": "off"}  # --compare NAME -> algorithm.roc of the baseline run (same steps, prompts, G)
@@ -52,7 +52,7 @@ class DemoConfig(BaseModel):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, preset: str) -> str:
-        from tirl.engines.tiny_model import PRESETS
+        from tirl.tiny_model import PRESETS
 
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -181,13 +181,13 @@ def run_demo(
 
 
 def _create_model(demo: DemoConfig, out: Path) -> Path:
-    from tirl.engines.tiny_model import create_tiny_model
+    from tirl.tiny_model import create_tiny_model
 
     return create_tiny_model(out / "init_model", preset=demo.preset, seed=demo.seed)
 
 
 def _make_problems(demo: DemoConfig, out: Path):
-    from tirl.data.synthetic import generate, write_jsonl
+    from tirl.demo.synthetic import generate, write_jsonl
 
     train = generate(demo.sft_problems + demo.rl_problems, "train", seed=demo.seed)
     heldout = generate(demo.heldout_problems, "heldout", seed=demo.seed)
@@ -205,7 +205,7 @@ def _sandbox_config(settings: DemoSettings):
 
 
 async def _make_traces(settings: DemoSettings, problems, out: Path) -> list[dict]:
-    from tirl.data.sft_traces import copy_drills, make_traces, write_traces
+    from tirl.demo.sft_traces import copy_drills, make_traces, write_traces
     from tirl.sandbox import open_executor
 
     async with open_executor(_sandbox_config(settings)) as executor:
@@ -219,7 +219,7 @@ async def _make_traces(settings: DemoSettings, problems, out: Path) -> list[dict
 
 def _drill(settings: DemoSettings, init_model: Path, out: Path, progress: bool) -> Path:
     """Stage 0a: copy drills alone (skipped when demo.drill_steps is 0)."""
-    from tirl.data.sft_traces import copy_drills, write_traces
+    from tirl.demo.sft_traces import copy_drills, write_traces
 
     steps = settings.demo.drill_steps
     if steps == 0:
@@ -340,7 +340,7 @@ def _training_numbers(metrics: list[dict], window: int = 5) -> dict:
 
 
 def _report(settings: DemoSettings, out: Path, evals: dict, train_dirs: dict, seconds: dict) -> dict:
-    from tirl.plots import plot_accuracy, plot_training
+    from tirl.demo.plots import plot_accuracy, plot_training
     from tirl.rl.metrics import read_metrics
 
     numbers = {name: _eval_numbers(report) for name, report in evals.items()}

@@ -115,7 +115,7 @@ def _code_of(problem: Problem) -> str:
     code = problem.meta.get("code")
     if not code:
         raise ValueError(
-            f"problem {problem.id} has no reference code (meta['code']): use tirl.data.synthetic"
+            f"problem {problem.id} has no reference code (meta['code']): use tirl.demo.synthetic"
         )
     return code
 
