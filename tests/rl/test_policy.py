@@ -84,3 +84,44 @@ def test_kl_term_against_the_stage_reference(tiny_model_dir):
     second = grpo_update(policy, worker.fixed_samples(policy.model.config.vocab_size, n=4), alg)
     assert first["train/kl"] == pytest.approx(0.0, abs=1e-9)
     assert second["train/kl"] > 1e-6
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gradient_checkpointing_recomputes_layers_without_dropout(tiny_model_dir, tmp_path, checkpointing):
+    """Configured checkpointing really recomputes each decoder layer in backward (a layer's forward runs
+    twice per micro-batch), and dropout stays off: a model whose config asks for heavy attention
+    dropout still gives identical log-probs twice and the same gradients as without checkpointing."""
+    import torch
+    from transformers import AutoConfig
+
+    from tirl.rl.config import OptimConfig
+    from tirl.rl.distributed import init_distributed
+    from tirl.rl.policy import Policy
+
+    model_dir = tmp_path / "dropout_model"
+    model_dir.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (model_dir / f.name).symlink_to(f)
+    (model_dir / "config.json").unlink()
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.attention_dropout = 0.5
+    config.save_pretrained(model_dir)
+
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, device="cpu", gradient_checkpointing=checkpointing)
+    policy = Policy(str(model_dir), optim, init_distributed("cpu"), 1)
+    samples = _load_worker().fixed_samples(policy.model.config.vocab_size, n=2)
+    calls = []
+    layer = policy.model.model.layers[0]
+    layer.self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+
+    first = policy.forward(samples).logprobs.detach()
+    calls.clear()
+    policy.accumulate(samples, lambda mb: -(mb.logprobs * mb.mask).sum())
+    assert len(calls) == (2 if checkpointing else 1)  # forward, then the recomputation in backward
+    assert torch.equal(policy.forward(samples).logprobs.detach(), first)  # no dropout
+    grad = policy.model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+
+    reference = Policy(str(model_dir), optim.model_copy(update={"gradient_checkpointing": False}),
+                       init_distributed("cpu"), 1)  # fmt: skip
+    reference.accumulate(samples, lambda mb: -(mb.logprobs * mb.mask).sum())
+    assert torch.allclose(grad, reference.model.model.layers[0].self_attn.q_proj.weight.grad, atol=1e-6)

@@ -279,15 +279,15 @@ def _train(
 async def _evaluate(settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool):
     from tirl.engines.config import EngineConfig
     from tirl.eval import EvalConfig, evaluate
-    from tirl.eval.runtime import agent_runtime
-    from tirl.reward import RewardConfig, RewardPool
+    from tirl.reward import RewardConfig
+    from tirl.runtime import ClusterConfig, open_runtime
 
     cfg = EvalConfig.model_validate(settings.eval | {"agent": settings.agent.model_dump(mode="json")})
     engine = EngineConfig.model_validate(settings.train.get("engine", {}) | {"model": str(model)})
     reward = RewardConfig.model_validate(settings.train.get("reward", {}))
-    async with agent_runtime(engine, _sandbox_config(settings)) as rt, RewardPool(reward) as reward_pool:
+    async with open_runtime(ClusterConfig(), engine, _sandbox_config(settings), reward) as rt:
         report = await evaluate(
-            rt.pool, rt.tokenizer, rt.executor, {"heldout": problems}, cfg, reward_pool, progress=progress
+            rt.pool, rt.tokenizer, rt.executor, {"heldout": problems}, cfg, rt.scorer, progress=progress
         )
     report.write(out_dir)
     return report

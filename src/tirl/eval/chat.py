@@ -17,8 +17,8 @@ from rich.text import Text
 from tirl.agent.config import AgentConfig
 from tirl.data.problem import Problem
 from tirl.engines.config import EngineConfig
-from tirl.eval.runtime import AgentRuntime, agent_runtime
 from tirl.reward import extract_answer
+from tirl.runtime import ClusterConfig, Runtime, open_runtime
 
 PROMPT = "problem> "
 CONTEXT_FOR_PROMPT = 4096  # room for the system prompt, tool schema and the typed problem
@@ -31,7 +31,9 @@ def chat(
     console = console or Console()
     with asyncio.Runner() as runner:
         stack = contextlib.AsyncExitStack()
-        runtime: AgentRuntime = runner.run(stack.enter_async_context(agent_runtime(engine_cfg, sandbox_cfg)))
+        runtime: Runtime = runner.run(
+            stack.enter_async_context(open_runtime(ClusterConfig(), engine_cfg, sandbox_cfg, reward=None))
+        )
         try:
             for index in itertools.count():
                 try:
@@ -50,9 +52,7 @@ def chat(
             runner.run(stack.aclose())
 
 
-async def _answer(
-    runtime: AgentRuntime, problem: Problem, cfg: AgentConfig, console: Console, seed: int
-) -> None:
+async def _answer(runtime: Runtime, problem: Problem, cfg: AgentConfig, console: Console, seed: int) -> None:
     from tirl.agent.loop import run_trajectory
 
     def on_event(kind: str, payload: dict) -> None:

@@ -13,8 +13,8 @@ from tirl.data.problem import Problem
 from tirl.engines.config import EngineConfig
 from tirl.eval.config import EvalConfig
 from tirl.eval.report import EvalReport
-from tirl.eval.runtime import agent_runtime, longest_prompt
-from tirl.reward import RewardConfig, RewardPool
+from tirl.reward import RewardConfig
+from tirl.runtime import ClusterConfig, open_runtime
 
 CONTEXT_SLACK = 16  # a few tokens past the budget (the turn's closing tokens)
 
@@ -36,6 +36,13 @@ def load_benchmarks(sources: list[str], limit: int | None, data_dir: str | None)
     return benchmarks
 
 
+def longest_prompt(tokenizer, problems, agent_cfg) -> int:
+    """Tokens of the longest prompt: the engine's context must hold it plus the response budget."""
+    from tirl.agent.protocol import build_prompt_ids
+
+    return max((len(build_prompt_ids(tokenizer, p.problem, agent_cfg)) for p in problems), default=0)
+
+
 def sandbox_config(endpoints: list[str]):
     """Remote when endpoints are given (bearer token from $TIRL_SANDBOX_TOKEN), else a local service
     started for this run."""
@@ -55,6 +62,7 @@ def run_eval(
     reward_cfg: RewardConfig | None = None,
     max_model_len: int | None = None,
     console: Console | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> EvalReport:
     """Evaluate, write out/report.md, out/metrics.json, out/trajectories.jsonl; return the report."""
     from tirl.engines.factory import load_tokenizer
@@ -69,12 +77,12 @@ def run_eval(
     async def main() -> EvalReport:
         from tirl.eval.evaluate import evaluate
 
-        async with (
-            agent_runtime(engine_cfg, sandbox_config(list(sandbox_endpoints)), tokenizer) as rt,
-            RewardPool(reward_cfg or RewardConfig()) as reward_pool,
-        ):
+        sandbox = sandbox_config(list(sandbox_endpoints))
+        async with open_runtime(
+            cluster or ClusterConfig(), engine_cfg, sandbox, reward_cfg or RewardConfig(), tokenizer
+        ) as rt:
             return await evaluate(
-                rt.pool, rt.tokenizer, rt.executor, benchmarks, cfg, reward_pool, progress=console.is_terminal
+                rt.pool, rt.tokenizer, rt.executor, benchmarks, cfg, rt.scorer, progress=console.is_terminal
             )
 
     report = asyncio.run(main())

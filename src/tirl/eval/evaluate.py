@@ -21,8 +21,9 @@ from tirl.data.problem import Problem
 from tirl.eval.config import EvalConfig
 from tirl.eval.metrics import ProblemResult, benchmark_metrics, cluster_answers, majority_vote
 from tirl.eval.report import BenchmarkResult, EvalReport
-from tirl.reward import RewardPool, extract_answer
+from tirl.reward import extract_answer
 from tirl.reward.pool import UNSCORED_FINISH
+from tirl.runtime.base import Scorer
 
 
 async def evaluate(
@@ -31,7 +32,7 @@ async def evaluate(
     executor,
     problems: list[Problem] | dict[str, list[Problem]],
     cfg: EvalConfig,
-    reward_pool: RewardPool,
+    reward_pool: Scorer,
     *,
     progress: bool = True,
 ) -> EvalReport:
@@ -75,9 +76,7 @@ async def evaluate(
     return report
 
 
-async def _problem_result(
-    problem: Problem, group: list[Trajectory], reward_pool: RewardPool
-) -> ProblemResult:
+async def _problem_result(problem: Problem, group: list[Trajectory], reward_pool: Scorer) -> ProblemResult:
     answers = [None if t.finish_reason in UNSCORED_FINISH else extract_answer(t.response_text) for t in group]
     labels = await cluster_answers(answers, reward_pool.equivalent)
     return ProblemResult(

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tirl.agent.config import AgentConfig
 from tirl.engines.config import EngineConfig
 from tirl.reward import RewardConfig
+from tirl.runtime.config import ClusterConfig
 from tirl.sandbox import SandboxConfig
 
 
@@ -86,6 +87,7 @@ class TrainConfig(_Strict):
     output_dir: str = "runs"
     run_name: str = "train"
     seed: int = 0
+    cluster: ClusterConfig = ClusterConfig()  # where engines, trainer ranks and sandboxes run
     engine: EngineConfig = EngineConfig()
     agent: AgentConfig = AgentConfig()
     sandbox: SandboxConfig = SandboxConfig()

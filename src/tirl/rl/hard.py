@@ -8,8 +8,7 @@ from pathlib import Path
 
 from tirl.rl.checkpoint import resolve_model_path
 from tirl.rl.config import TrainConfig
-from tirl.rl.distributed import DistInfo, resolve_device
-from tirl.rl.trainer import generate_scored, open_rollouts
+from tirl.runtime import generate_scored, open_runtime
 
 
 @dataclass
@@ -27,8 +26,8 @@ class HardFilterResult:
 def filter_hard(
     cfg: TrainConfig, checkpoint: str | Path, data: str, k: int, out: str | Path, batch_size: int = 64
 ) -> HardFilterResult:
-    """Run k rollouts per problem of `data` with the checkpoint's policy (cfg's engine, agent, sandbox
-    and reward sections) and write the problems solved fewer than k times to `out` (JSONL)."""
+    """Run k rollouts per problem of `data` with the checkpoint's policy (cfg's cluster, engine, agent,
+    sandbox and reward sections) and write the problems solved fewer than k times to `out` (JSONL)."""
     from tirl.data import load_problems, write_problems
 
     if k < 1:
@@ -40,11 +39,12 @@ def filter_hard(
 
     async def solve_counts() -> list[int]:
         counts: list[int] = []
-        async with open_rollouts(cfg, path, DistInfo(0, 1, resolve_device("cpu"))) as ro:
+        engine_cfg = cfg.engine.model_copy(update={"model": path})
+        async with open_runtime(cfg.cluster, engine_cfg, cfg.sandbox, cfg.reward) as rt:
             for start in range(0, len(problems), batch_size):
                 batch = problems[start : start + batch_size]
                 groups = await generate_scored(
-                    ro, batch, k, cfg.agent, cfg.seed + start, cfg.rollout_concurrency
+                    rt, batch, k, cfg.agent, cfg.seed + start, cfg.rollout_concurrency
                 )
                 counts += [sum(t.reward > 0.5 for t in g) for g in groups]
         return counts

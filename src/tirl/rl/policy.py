@@ -92,6 +92,28 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward, with dropout still off.
+
+    transformers checkpoints a layer only while that layer is in training mode, and `from_pretrained`
+    returns the model in eval mode, so turning checkpointing on alone does nothing. `model.train()`
+    would fix that but also switch on dropout (attention dropout reads its module's `training` flag),
+    which RL must not have: the trainer's log-probs must match the engine's. So only the checkpointed
+    layers themselves go to training mode; everything inside them stays in eval mode.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.eval()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no checkpointable layers: set optim.gradient_checkpointing=false"
+        )
+    for layer in layers:
+        layer.training = True  # not layer.train(): that would recurse into the attention and MLP
+
+
 class Policy:
     def __init__(self, model_path: str, optim: OptimConfig, info: DistInfo, total_steps: int):
         from transformers import AutoModelForCausalLM
@@ -104,7 +126,7 @@ class Policy:
         except OSError as e:
             raise FileNotFoundError(f"cannot load the policy model from {model_path!r}: {e}") from e
         if optim.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model)
         model.config.use_cache = False
         self.model = shard_model(model.to(self.device), info, self.bf16)
         self.pad_id = model.config.pad_token_id or 0

@@ -34,66 +34,20 @@ from tirl.rl.metrics import AlertMonitor, MetricsLogger, Timer, rollout_metrics
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler, derive_seed
-
-
-@dataclass
-class Rollouts:
-    """What rank 0 needs to produce scored trajectories."""
-
-    engines: list
-    pool: object
-    tokenizer: object
-    executor: object
-    reward_pool: object
+from tirl.runtime import Runtime, generate, open_runtime, score
 
 
 @asynccontextmanager
-async def open_rollouts(cfg: TrainConfig, model_path: str, info: DistInfo) -> AsyncIterator[Rollouts | None]:
-    """Engines serving `model_path` (cfg.engine), the sandbox executor (cfg.sandbox) and the reward
-    workers (cfg.reward), on rank 0 only."""
+async def open_main_runtime(
+    cfg: TrainConfig, model_path: str, info: DistInfo
+) -> AsyncIterator[Runtime | None]:
+    """The runtime (cfg.cluster: engines serving `model_path`, sandbox, reward workers), on rank 0 only."""
     if not info.is_main:
         yield None
         return
-    from tirl.engines.factory import build_engines, build_pool, load_tokenizer
-    from tirl.reward import RewardPool
-    from tirl.sandbox import open_executor
-
     engine_cfg = cfg.engine.model_copy(update={"model": model_path})
-    engines = build_engines(engine_cfg)
-    try:
-        async with open_executor(cfg.sandbox) as executor, RewardPool(cfg.reward) as reward_pool:
-            yield Rollouts(
-                engines, build_pool(engines, engine_cfg), load_tokenizer(model_path), executor, reward_pool
-            )
-    finally:
-        await asyncio.gather(*(e.close() for e in engines))
-
-
-async def generate(ro: Rollouts, problems: list, n: int, agent_cfg, seed: int, concurrency: int):
-    """n trajectories per problem; sample j of problem i is seeded by (seed, i, j)."""
-    from tirl.agent.loop import rollout
-
-    return await rollout(
-        ro.pool, ro.tokenizer, ro.executor, problems, n, agent_cfg, seed=seed, concurrency=concurrency
-    )
-
-
-async def score(ro: Rollouts, groups, problems: list) -> None:
-    """Set each trajectory's binary, answer-only reward. Truncated (over-length) trajectories keep
-    reward 0, as in the paper (overlong filtering hurt); so do ones an infrastructure error ended."""
-    flat = [(t, p) for g, p in zip(groups, problems, strict=True) for t in g]
-    for t, _ in flat:
-        t.reward = 0.0
-    scored = [(t, p) for t, p in flat if t.finish_reason not in ("length", "error")]
-    rewards = await ro.reward_pool.score_many([(t.response_text, p.answer) for t, p in scored])
-    for (t, _), r in zip(scored, rewards, strict=True):
-        t.reward = float(r)
-
-
-async def generate_scored(ro: Rollouts, problems: list, n: int, agent_cfg, seed: int, concurrency: int):
-    groups = await generate(ro, problems, n, agent_cfg, seed, concurrency)
-    await score(ro, groups, problems)
-    return groups
+    async with open_runtime(cfg.cluster, engine_cfg, cfg.sandbox, cfg.reward) as runtime:
+        yield runtime
 
 
 def build_samples(groups, kept: list[list[int]], normalize_std: bool) -> list[TrainSample]:
@@ -224,7 +178,7 @@ class Run:
     cfg: TrainConfig
     info: DistInfo
     policy: Policy
-    rollouts: Rollouts | None
+    runtime: Runtime | None  # rank 0 only
     state: TrainerState
     logger: MetricsLogger | None
     alerts: AlertMonitor
@@ -265,12 +219,12 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
         # 2. 2G rollouts per prompt on the engine pool, tool calls in the sandbox as each turn ends
         with timer("rollout"):
             groups = await generate(
-                run.rollouts, batch, alg.rollouts_per_prompt, stage_agent_config(cfg, stage),
+                run.runtime, batch, alg.rollouts_per_prompt, stage_agent_config(cfg, stage),
                 seed=derive_seed(cfg.seed, step), concurrency=cfg.rollout_concurrency,
             )  # fmt: skip
         # 3. binary answer-only rewards (math-verify in worker processes)
         with timer("reward"):
-            await score(run.rollouts, groups, batch)
+            await score(run.runtime, groups, batch)
         # A trajectory an infrastructure error ended says nothing about the policy: leave it out.
         metrics["rollout/errors"] = sum(t.finish_reason == "error" for g in groups for t in g)
         groups = [[t for t in g if t.finish_reason != "error"] for g in groups]
@@ -303,10 +257,8 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
 
 def sync_weights(run: Run) -> None:
     state = full_model_state(run.policy.model, run.info)  # a collective under FSDP
-    if run.rollouts is not None:
-        weights = [(k, v) for k, v in state.items() if k in run.sync_names]
-        for engine in run.rollouts.engines:
-            engine.load_weights(weights)
+    if run.runtime is not None:
+        run.runtime.load_weights((k, v) for k, v in state.items() if k in run.sync_names)
 
 
 def checkpoint(run: Run, sampler: EpochSampler) -> None:
@@ -317,7 +269,7 @@ def checkpoint(run: Run, sampler: EpochSampler) -> None:
         "stage_step": st.stage_step,
         "sampler": sampler.state_dict(),
     }
-    tokenizer = run.rollouts.tokenizer if run.rollouts else None
+    tokenizer = run.runtime.tokenizer if run.runtime else None
     run.policy.save(run.cfg.run_dir, st.step, tokenizer, trainer_state, run.cfg.checkpoint.keep_last)
 
 
@@ -353,8 +305,8 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
         logger.truncate_after(state.step)
     sync_names = {n for n, _ in policy.model.named_parameters()}
     try:
-        async with open_rollouts(cfg, model_path, info) as rollouts:
-            run = Run(cfg, info, policy, rollouts, state, logger, AlertMonitor(cfg.logging), sync_names)
+        async with open_main_runtime(cfg, model_path, info) as runtime:
+            run = Run(cfg, info, policy, runtime, state, logger, AlertMonitor(cfg.logging), sync_names)
             for stage_index in range(state.stage, len(cfg.stages)):
                 await _run_stage(run, stage_index, saved if stage_index == state.stage else None, console)
                 saved = None

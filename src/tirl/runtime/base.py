@@ -1,0 +1,136 @@
+"""The runtime seam: what `tirl train`, `tirl eval`, `tirl chat` and `tirl data filter-hard` need to
+turn problems into scored trajectories, whatever runs where.
+
+    async with open_runtime(cluster, engine, sandbox, reward) as rt:
+        groups = await generate_scored(rt, problems, n=8, agent_cfg=agent, seed=0, concurrency=64)
+
+`Runtime` holds engines behind the scheduler (`pool`), a sandbox executor, a reward scorer and the
+tokenizer. `local` (tirl.runtime.local) builds them in this process tree; `ray`
+(tirl.runtime.ray) places engine actors, sandbox services and reward workers across nodes and
+hands back proxies with the same interfaces, so the callers never know which one they got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from tirl.engines.base import Engine, EnginePool
+from tirl.sandbox.service import Executor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tirl.agent.config import AgentConfig
+    from tirl.agent.trajectory import Trajectory
+    from tirl.data.problem import Problem
+    from tirl.engines.config import EngineConfig
+    from tirl.reward import RewardConfig, RewardStats
+    from tirl.runtime.config import ClusterConfig
+    from tirl.sandbox import SandboxConfig
+
+
+class Scorer(Protocol):
+    """Binary answer-only reward (tirl.reward.RewardPool, or a proxy to one on another node)."""
+
+    stats: RewardStats
+
+    async def score_many(self, pairs: list[tuple[str, str]]) -> list[float]: ...
+
+    async def score_trajectory(self, trajectory: Trajectory, reference: str) -> float: ...
+
+    async def equivalent(self, answer: str, reference: str) -> bool: ...
+
+
+@dataclass
+class Runtime:
+    engines: list[Engine]
+    pool: EnginePool  # the KV-aware scheduler over `engines` (or the one engine)
+    executor: Executor  # the sandbox: async run(code, stdin, timeout) -> ExecResult
+    scorer: Scorer | None  # None when the caller asked for no reward (tirl chat)
+    tokenizer: PreTrainedTokenizerBase
+    backend: str = "local"
+    counters: dict[str, int] = field(default_factory=dict)  # infrastructure events (engine restarts, ...)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The same (name, tensor) pairs into every engine."""
+        weights = list(weights)
+        for engine in self.engines:
+            engine.load_weights(weights)
+
+    def rollout_metrics(self) -> dict[str, Any]:
+        """Per-engine scheduler metrics of the last window (engines used, leases), then a new window."""
+        metrics_of = getattr(self.pool, "metrics", None)
+        if metrics_of is None:
+            return {}
+        m = metrics_of()
+        self.pool.reset_metrics()
+        out: dict[str, Any] = {"rollout/makespan_s": m["makespan_s"], "rollout/preemptions": m["preemptions"]}
+        for e in m["engines"]:
+            out[f"engine/{e['engine']}/leases"] = e["leases"]
+            out[f"engine/{e['engine']}/busy_s"] = e["busy_s"]
+        return out | {f"infra/{k}": v for k, v in self.counters.items()}
+
+
+@asynccontextmanager
+async def open_runtime(
+    cluster: ClusterConfig,
+    engine: EngineConfig,
+    sandbox: SandboxConfig,
+    reward: RewardConfig | None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> AsyncIterator[Runtime]:
+    """Engines serving `engine.model`, a sandbox, reward workers (none if `reward` is None); all
+    closed on exit, whatever happened."""
+    if cluster.backend == "ray":
+        from tirl.runtime.ray import open_ray_runtime as opener
+    else:
+        from tirl.runtime.local import open_local_runtime as opener
+    async with opener(cluster, engine, sandbox, reward, tokenizer) as rt:
+        yield rt
+
+
+async def generate(
+    rt: Runtime,
+    problems: list[Problem],
+    n: int,
+    agent_cfg: AgentConfig,
+    seed: int,
+    concurrency: int,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> list[list[Trajectory]]:
+    """n trajectories per problem; sample j of problem i is seeded by (seed, i, j)."""
+    from tirl.agent.loop import rollout
+
+    return await rollout(
+        rt.pool, rt.tokenizer, rt.executor, problems, n, agent_cfg,
+        seed=seed, concurrency=concurrency, on_done=on_done,
+    )  # fmt: skip
+
+
+async def score(rt: Runtime, groups: list[list[Trajectory]], problems: list[Problem]) -> None:
+    """Set each trajectory's binary, answer-only reward. Truncated (over-length) trajectories keep
+    reward 0, as in the paper (overlong filtering hurt); so do ones an infrastructure error ended."""
+    from tirl.reward.pool import UNSCORED_FINISH
+
+    if rt.scorer is None:
+        raise RuntimeError("this runtime was opened without a reward config: it cannot score")
+    flat = [(t, p) for g, p in zip(groups, problems, strict=True) for t in g]
+    for t, _ in flat:
+        t.reward = 0.0
+    scored = [(t, p) for t, p in flat if t.finish_reason not in UNSCORED_FINISH]
+    rewards = await rt.scorer.score_many([(t.response_text, p.answer) for t, p in scored])
+    for (t, _), r in zip(scored, rewards, strict=True):
+        t.reward = float(r)
+
+
+async def generate_scored(
+    rt: Runtime, problems: list[Problem], n: int, agent_cfg: AgentConfig, seed: int, concurrency: int
+) -> list[list[Trajectory]]:
+    groups = await generate(rt, problems, n, agent_cfg, seed, concurrency)
+    await score(rt, groups, problems)
+    return groups

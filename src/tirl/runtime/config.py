@@ -1,0 +1,91 @@
+"""The `cluster` section: where engines, trainer ranks and sandboxes run (`backend: local | ray`).
+
+    cluster:
+      backend: ray            # local (default): one process tree; ray: actors placed across nodes
+      address: auto           # auto | HOST:PORT | null (start a private Ray on this machine)
+      engines: {num_gpus: 1}  # per engine actor (engine.num_engines of them)
+      trainer: {ranks: 8, num_gpus: 1}
+      colocate: false         # true: engines and trainer ranks share devices
+
+The number of engines stays `engine.num_engines` (one definition); this section only says what each
+one needs and where the rest goes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RAY_MISSING = "cluster.backend=ray needs Ray, which is not installed: `pip install 'tirl[ray]'`"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Resources(_Strict):
+    """What one actor reserves on its node (Ray logical resources)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict
+    )  # custom node resources, e.g. {"engine_node": 1}
+
+    def as_bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: v for k, v in bundle.items() if v > 0}
+
+
+class TrainerPlacement(Resources):
+    ranks: int = Field(1, ge=1)  # trainer worker actors, one per FSDP rank (backend=ray)
+
+
+class SandboxPlacement(_Strict):
+    """One `tirl sandbox serve` per node that has `resource` (every alive node when it is null)."""
+
+    per_node: bool = True  # false: keep the `sandbox` section's own mode (local / remote / inprocess)
+    resource: str | None = (
+        None  # e.g. "sandbox_node": only nodes started with --resources '{"sandbox_node": 1}'
+    )
+    num_cpus: float = Field(1.0, ge=0)  # reserved on each of those nodes for the service
+    health_interval_s: float = Field(5.0, gt=0)  # restart a service that stops answering /health
+
+
+class ClusterConfig(_Strict):
+    backend: Literal["local", "ray"] = "local"
+    address: str | None = None  # ray: "auto" (a running cluster), "HOST:PORT", or null (start one here)
+    namespace: str = "tirl"
+    engines: Resources = Resources()
+    trainer: TrainerPlacement = TrainerPlacement()
+    colocate: bool = False  # engines share the trainer ranks' devices (vLLM sleeps while training)
+    sandbox: SandboxPlacement = SandboxPlacement()
+    reward_num_cpus: float = Field(1.0, ge=0)  # the reward actor (math-verify workers) off the driver
+    num_cpus: int | None = Field(None, ge=1)  # a Ray started by tirl (address null): logical CPUs
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        if self.backend == "local":
+            if self.address is not None:
+                raise ValueError("cluster.address is for backend=ray; set cluster.backend=ray or drop it")
+            if self.trainer.ranks != 1:
+                raise ValueError(
+                    "cluster.trainer.ranks is for backend=ray; under backend=local launch ranks with "
+                    "`torchrun --nproc_per_node=N -m tirl.cli train ...`"
+                )
+        else:
+            try:
+                require_ray()
+            except ImportError as e:
+                raise ValueError(str(e)) from None
+        return self
+
+
+def require_ray():
+    """The `ray` module, or an ImportError that says how to install it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(RAY_MISSING) from e
+    return ray
