@@ -30,10 +30,17 @@ def sandbox_serve(
     queue_timeout: float = typer.Option(60.0, help="Longest wait for a free slot before 429/queue_timeout."),
     max_queue: int = typer.Option(4096, help="Most calls waiting at once (more: 429 at once)."),
     max_timeout: float = typer.Option(300.0, help="Largest timeout a request may ask for, seconds."),
-    max_memory_mb: int = typer.Option(16384, help="Largest memory limit a request may ask for, MiB."),
+    max_memory_mb: int = typer.Option(
+        0, help="Largest memory limit a request may ask for, MiB (0 = RAM / slots, at most 16384)."
+    ),
+    allow_host: list[str] = typer.Option(
+        [], "--allow-host", help="Host header names accepted without a token besides loopback; repeat."
+    ),
 ) -> None:
     """Serve POST /run, /run/batch, /run_code (SandboxFusion), GET /health, /metrics."""
-    from tirl.sandbox.limits import SERVER_MAXIMA, Limits
+    import os
+
+    from tirl.sandbox.limits import SERVER_MAXIMA, Limits, fitting_memory_mb
     from tirl.sandbox.server import serve
 
     limits = Limits(
@@ -48,9 +55,14 @@ def sandbox_serve(
         "limits": limits,
         "queue_timeout_s": queue_timeout,
         "max_queue": max_queue,
-        "maxima": SERVER_MAXIMA.with_overrides(timeout_s=max_timeout, memory_mb=max_memory_mb),
+        "maxima": SERVER_MAXIMA.with_overrides(
+            timeout_s=max_timeout, memory_mb=max_memory_mb or fitting_memory_mb(slots or os.cpu_count() or 1)
+        ),
     }
-    serve(host, port, token, **options)
+    try:
+        serve(host, port, token, allowed_hosts=allow_host, **options)
+    except ValueError as exc:  # limits beyond the machine: one line saying what to change
+        raise typer.BadParameter(str(exc)) from None
 
 
 @sandbox_app.command("bench")

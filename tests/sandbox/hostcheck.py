@@ -51,17 +51,27 @@ def zygote_pids(parent: int) -> list[int]:
     return out
 
 
+def fork_server(zygote: int) -> int:
+    """The fork server of a zygote (its only child): the parent of every call's process."""
+    kids = children(zygote)
+    assert len(kids) == 1, f"zygote {zygote} should have exactly its fork server as child, has {kids}"
+    return kids[0]
+
+
 def assert_host_untouched(canary: Path, uids: list[int], zygotes: list[int]) -> None:
-    """Host files intact; per zygote at most its one prepared (pre-forked, idle) child; nothing else."""
+    """Host files intact; per zygote its fork server with at most one prepared (idle) child; nothing else."""
     assert canary.read_text() == "untouched\n", "sandboxed code changed a host file"
-    wait_idle(zygotes)  # the next prepared child is forked right after a reply
+    wait_idle(zygotes)  # the next prepared child is forked right after a call ends
     prepared = set()
     for z in zygotes:
         assert _status(str(z)).get("State", "").startswith(("S", "R")), f"zygote {z} is not healthy"
-        kids = children(z)
-        assert len(kids) <= 1, f"zygote {z} has leftover children {kids} (zombies or strays)"
+        server = fork_server(z)
+        kids = children(server)
+        assert len(kids) <= 1, f"fork server {server} has leftover children {kids} (zombies or strays)"
         for k in kids:
-            assert _status(str(k)).get("State", "Z").startswith(("S", "R")), f"zygote {z} has a zombie child"
+            assert _status(str(k)).get("State", "Z").startswith(("S", "R")), (
+                f"fork server {server} has a zombie child"
+            )
             assert children(k) == [], f"the prepared child {k} has children: a leftover of the last call"
         prepared |= set(kids)
     strays = set(processes_of_uids(set(uids))) - prepared
@@ -69,11 +79,19 @@ def assert_host_untouched(canary: Path, uids: list[int], zygotes: list[int]) -> 
 
 
 def wait_idle(zygotes: list[int], timeout: float = 5.0) -> None:
-    """Wait until every zygote has forked its next prepared child (it does so right after replying)."""
+    """Wait until every fork server has forked its next prepared child (it does so as a call ends)."""
     import time
+
+    def idle(z: int) -> bool:
+        kids = children(z)
+        return (
+            len(kids) == 1
+            and len(children(kids[0])) == 1
+            and all(_status(str(p)).get("State", "").startswith("S") for p in (z, kids[0]))
+        )
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(len(children(z)) == 1 and _status(str(z)).get("State", "").startswith("S") for z in zygotes):
+        if all(idle(z) for z in zygotes):
             return
         time.sleep(0.02)

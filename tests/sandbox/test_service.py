@@ -53,7 +53,7 @@ async def test_sandboxfusion_format(service):
 @pytest.mark.parametrize(
     ("path", "body", "status", "message"),
     [
-        ("/run", b"{not json", 422, "JSON"),
+        ("/run", b"{not json", 400, "not JSON"),
         ("/run", b'{"code": 5}', 422, "body.code"),
         ("/run", b'{"code": "1", "timeout": "soon"}', 422, "body.timeout"),
         ("/run", b'{"code": "1", "timeout": -1}', 422, "greater than 0"),
@@ -87,7 +87,7 @@ async def test_huge_body_is_refused(service):
 async def test_auth_is_required(service):
     async with httpx.AsyncClient(base_url=service.endpoints[0]) as http:
         resp = await http.post("/run", json={"code": "print(1)"})
-        assert resp.status_code == 401 and "bearer token" in resp.json()["detail"]
+        assert resp.status_code == 401 and "bearer token" in resp.json()["error"]
 
 
 async def test_overload_answers_429_quickly_and_stays_healthy(service):
@@ -114,10 +114,11 @@ async def test_health_reports_active_isolation(service):
         features = (await http.get("/health")).json()["features"]
     active = features["active"]
     if active["mode"] == "root":
-        assert features["missing"] == []
+        # all on; only what the environment forbids may be missing (e.g. CAP_SYS_RESOURCE in a container)
+        assert all("OOM killer" in m for m in features["missing"]), features["missing"]
         assert all(active[k] for k in ("pid_namespace", "mount_namespace", "readonly_root", "per_slot_uid",
                                        "seccomp_denylist", "cgroup_memory", "cgroup_pids"))  # fmt: skip
-        assert active["network"] == "shared empty netns"
+        assert active["network"] == "per-slot empty netns" and active["allowlisted_root"]
     else:
         assert features["missing"], "a weaker sandbox must say what is missing"
 

@@ -9,7 +9,7 @@ from tirl.sandbox.capture import StreamCapture
 from tirl.sandbox.fusion import to_fusion
 from tirl.sandbox.imports import stdlib_only
 
-from .hostcheck import children, processes_of_uids
+from .hostcheck import children, fork_server, processes_of_uids
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -126,7 +126,9 @@ async def test_slots_recycle_and_recover_from_a_dead_zygote():
         zygote = sb._slots[0].proc.pid
         for _ in range(100):  # SIGKILL delivery may lag on a loaded machine
             # (it is reparented to the host's init, which reaps it: a zombie until then is dead already)
-            strays = set(processes_of_uids(set(sb.uids), include_zombies=False)) - set(children(zygote))
+            strays = set(processes_of_uids(set(sb.uids), include_zombies=False)) - set(
+                children(fork_server(zygote))
+            )
             if not strays:
                 break
             await asyncio.sleep(0.05)

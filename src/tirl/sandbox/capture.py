@@ -11,6 +11,7 @@ import os
 import selectors
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tirl.sandbox.result import human_bytes
@@ -55,18 +56,30 @@ class StreamCapture:
 class Collected:
     stdout: StreamCapture
     stderr: StreamCapture
-    result: bytes
+    result: bytes  # the result pipe: the runner's reports, or what user code wrote there
     killed: str | None  # "timeout" | "output" | None
 
 
 def collect(
-    pid: int, out_fd: int, err_fd: int, result_fd: int, deadline: float, keep: int, cap: int
+    pidfd: int,
+    out_fd: int,
+    err_fd: int,
+    result_fd: int,
+    deadline: float,
+    keep: int,
+    cap: int,
+    before_kill: Callable[[], None] | None = None,
 ) -> Collected:
-    """Drain the call's pipes until it exits and they close, or kill it at the deadline/cap."""
+    """Drain the call's pipes until it exits and they close, or kill it at the deadline/cap.
+
+    `pidfd` may belong to a process we did not fork (the fork server is its parent); `before_kill`
+    runs just before a deadline kill, while the call's threads can still be inspected.
+    """
     got = Collected(StreamCapture(keep), StreamCapture(keep), b"", None)
-    result = bytearray()
-    sinks = {out_fd: got.stdout.feed, err_fd: got.stderr.feed, result_fd: result.extend}
-    pidfd = os.pidfd_open(pid)
+    # Drained like the others (a writer blocked on a full pipe would hang the call); the start
+    # marker is at the head, the runner's final report at the tail.
+    result = StreamCapture(CHUNK)
+    sinks = {out_fd: got.stdout.feed, err_fd: got.stderr.feed, result_fd: result.feed}
     sel = selectors.DefaultSelector()
     for fd in (*sinks, pidfd):
         sel.register(fd, selectors.EVENT_READ)
@@ -92,13 +105,14 @@ def collect(
             if got.stdout.total + got.stderr.total > cap:
                 got.killed = "output"
                 break
-            if len(result) > CHUNK:  # the result is one short line; more is user code abusing fd 3
-                del sinks[result_fd]
-                sel.unregister(result_fd)
     finally:
         if got.killed:
-            os.kill(pid, signal.SIGKILL)  # pid 1 of its namespace: the kernel kills every descendant
+            if got.killed == "timeout" and before_kill is not None:
+                before_kill()
+            # pid 1 of its namespace: the kernel kills every descendant
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         sel.close()
-        os.close(pidfd)
-    got.result = bytes(result)
+    got.result = (
+        bytes(result.head + b"\n" + result.tail) if result.dropped else bytes(result.head + result.tail)
+    )
     return got

@@ -1,8 +1,10 @@
-"""Per-slot cgroups: a memory and a process-count limit on everything one call spawns.
+"""Per-slot cgroups: memory, process-count and CPU limits on everything one call spawns.
 
-Supports cgroup v1 (memory + pids hierarchies, as on this machine) and v2 where our cgroup
-may have children. Slot groups are nested under the service's own cgroup so whoever
-limits the service also limits its sandboxes.
+Supports cgroup v1 (memory, pids, cpu and cpuacct hierarchies, as on this machine) and v2 where
+our cgroup may have children. Slot groups are nested under the service's own cgroup so whoever
+limits the service also limits its sandboxes. Each slot gets at most one CPU (a CFS quota), so a
+call that spawns busy processes cannot starve the calls of other slots; the slot's CPU usage tells
+a starved call (little CPU in a long wall time) from one that spent its time computing.
 """
 
 from __future__ import annotations
@@ -43,16 +45,24 @@ class SlotCgroup:
 
     memory_dir: str | None = None
     pids_dir: str | None = None
+    cpu_dir: str | None = None
+    cpuacct_dir: str | None = None
     v2: bool = False
     _fds: dict = field(default_factory=dict)
     _written: dict = field(default_factory=dict)
 
     @property
     def active(self) -> list[str]:
-        return [n for n, d in (("memory", self.memory_dir), ("pids", self.pids_dir)) if d]
+        named = (("memory", self.memory_dir), ("pids", self.pids_dir), ("cpu", self.cpu_dir))
+        return [n for n, d in named if d]
+
+    def _dirs(self) -> list[str]:
+        return list(
+            dict.fromkeys(d for d in (self.memory_dir, self.pids_dir, self.cpu_dir, self.cpuacct_dir) if d)
+        )
 
     def _files(self) -> dict[str, tuple[str, int]]:
-        files = {}
+        files = {f"procs:{d}": (f"{d}/cgroup.procs", os.O_WRONLY) for d in self._dirs()}
         if self.memory_dir:
             names = (
                 ("memory.max", "memory.events")
@@ -61,11 +71,11 @@ class SlotCgroup:
             )
             files["memory_limit"] = (f"{self.memory_dir}/{names[0]}", os.O_WRONLY)
             files["oom"] = (f"{self.memory_dir}/{names[1]}", os.O_RDONLY)
-            files["memory_procs"] = (f"{self.memory_dir}/cgroup.procs", os.O_WRONLY)
         if self.pids_dir:
             files["pids_max"] = (f"{self.pids_dir}/pids.max", os.O_WRONLY)
-            if self.pids_dir != self.memory_dir:
-                files["pids_procs"] = (f"{self.pids_dir}/cgroup.procs", os.O_WRONLY)
+        if self.cpuacct_dir:
+            usage = "cpu.stat" if self.v2 else "cpuacct.usage"
+            files["cpu_usage"] = (f"{self.cpuacct_dir}/{usage}", os.O_RDONLY)
         return files
 
     def open(self) -> None:
@@ -82,9 +92,9 @@ class SlotCgroup:
 
     def join(self) -> None:
         """Move the calling process into the slot's groups (its future children are born there)."""
-        for key in ("memory_procs", "pids_procs"):
-            if key in self._fds:
-                os.write(self._fds[key], str(os.getpid()).encode())
+        for key, fd in self._fds.items():
+            if key.startswith("procs:"):
+                os.write(fd, str(os.getpid()).encode())
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed for memory in this slot so far."""
@@ -96,12 +106,37 @@ class SlotCgroup:
                 return int(value)
         return 0
 
+    def cpu_ns(self) -> int | None:
+        """CPU time used by the slot's processes so far (None without CPU accounting)."""
+        if "cpu_usage" not in self._fds:
+            return None
+        text = os.pread(self._fds["cpu_usage"], 4096, 0).decode()
+        if not self.v2:
+            return int(text)
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) * 1000
+        return None
+
     def to_dict(self) -> dict:
-        return {"memory_dir": self.memory_dir, "pids_dir": self.pids_dir, "v2": self.v2}
+        return {"memory_dir": self.memory_dir, "pids_dir": self.pids_dir, "cpu_dir": self.cpu_dir,
+                "cpuacct_dir": self.cpuacct_dir, "v2": self.v2}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> SlotCgroup:
         return cls(**d)
+
+
+CPU_PERIOD_US = 100_000
+
+
+def _write(path: Path, value: str) -> bool:
+    try:
+        path.write_text(value)
+        return True
+    except OSError:
+        return False
 
 
 def _mkdir(path: Path) -> str | None:
@@ -131,22 +166,43 @@ def _create_v2(base: Path, slots: int, notes: list[str]) -> list[SlotCgroup]:
     except OSError as e:
         notes.append(f"cgroup v2: cannot delegate memory/pids below {base.parent} ({e.strerror})")
         return [SlotCgroup() for _ in range(slots)]
+    cpu = True
+    try:
+        (base / "cgroup.subtree_control").write_text("+cpu")
+    except OSError as e:
+        cpu = False
+        notes.append(
+            f"cgroup v2: cannot delegate cpu below {base.parent} ({e.strerror}): no CPU quota per slot"
+        )
     dirs = [_mkdir(base / f"slot{i}") for i in range(slots)]
-    return [SlotCgroup(d, d, v2=True) if d else SlotCgroup() for d in dirs]
+    groups = []
+    for d in dirs:
+        if d and cpu and _write(Path(d) / "cpu.max", f"{CPU_PERIOD_US} {CPU_PERIOD_US}"):
+            groups.append(SlotCgroup(d, d, d, d, v2=True))
+        else:
+            groups.append(SlotCgroup(d, d, v2=True) if d else SlotCgroup())
+    return groups
 
 
 def _create_v1(own: dict[str, str], service: str, slots: int, notes: list[str]) -> list[SlotCgroup]:
     """cgroup v1: one directory per slot in the memory and in the pids hierarchy."""
     per_controller = {}
-    for controller in ("memory", "pids"):
+    for controller in ("memory", "pids", "cpu", "cpuacct"):
         if controller in own and (ROOT / controller).is_dir():
             base = ROOT / controller / own[controller].lstrip("/") / service
             _remove_stale(base.parent)
             per_controller[controller] = [_mkdir(base / f"slot{i}") for i in range(slots)]
         if not any(per_controller.get(controller, [])):
             notes.append(f"cgroup {controller} controller unavailable (not mounted or not writable)")
-    memory, pids = (per_controller.get(c, [None] * slots) for c in ("memory", "pids"))
-    return [SlotCgroup(m, p) for m, p in zip(memory, pids, strict=True)]
+    cpu = per_controller.get("cpu", [None] * slots)
+    for i, d in enumerate(cpu):  # one CPU per slot at most
+        if d and not (
+            _write(Path(d) / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+            and _write(Path(d) / "cpu.cfs_quota_us", str(CPU_PERIOD_US))
+        ):
+            cpu[i] = None
+    memory, pids, cpuacct = (per_controller.get(c, [None] * slots) for c in ("memory", "pids", "cpuacct"))
+    return [SlotCgroup(*dirs) for dirs in zip(memory, pids, cpu, cpuacct, strict=True)]
 
 
 def create_slot_cgroups(service: str, slots: int) -> tuple[list[SlotCgroup], list[str]]:
@@ -161,7 +217,7 @@ def create_slot_cgroups(service: str, slots: int) -> tuple[list[SlotCgroup], lis
 def remove_slot_cgroups(groups: list[SlotCgroup]) -> None:
     """Remove the slot groups and their parents (best effort: empty groups only)."""
     for g in groups:
-        for d in {g.memory_dir, g.pids_dir} - {None}:
+        for d in {g.memory_dir, g.pids_dir, g.cpu_dir, g.cpuacct_dir} - {None}:
             for path in (Path(d), Path(d).parent):
                 with contextlib.suppress(OSError):
                     path.rmdir()

@@ -12,7 +12,7 @@ PYTHON_NAMES = frozenset({"python", "python3"})
 
 
 class RunCodeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     code: str
     language: str = "python"

@@ -1,9 +1,10 @@
 """Linux isolation: what the zygote sets up once, and what each call's child sets up before user code.
 
-Zygote (once): join the shared empty network namespace, enter a private mount namespace in which
-the whole host is read-only and the Python runtime is readable by the sandbox uids (directories
-such as a 0700 /root are replaced by a tmpfs holding only bind mounts of the runtime); after
-warm-up it joins the slot's cgroup, so every child is born inside it.
+Zygote (once): join its slot's empty network namespace (abstract unix sockets are per network
+namespace, so calls of different slots cannot meet), enter a private mount namespace whose root is
+built from an allowlist (a tmpfs holding read-only binds of /usr, the Python runtime, a few /etc
+files and harmless devices: no home directories, no data, no /sys, no ptys); its fork server joins
+the slot's cgroups after warm-up, so every child is born inside them.
 Call (per fork, before the code arrives): pid 1 of a new pid namespace, new mount/ipc/uts
 namespaces, fresh /proc and size-capped tmpfs workdir and /dev/shm, unprivileged per-slot uid,
 no_new_privs, seccomp denylist; once the call arrives, its rlimits.
@@ -11,12 +12,10 @@ no_new_privs, seccomp denylist; once the call arrives, its rlimits.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import resource
 import signal
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,89 +91,102 @@ def _enter_userns() -> None:
     Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
 
 
-def _hidden_ancestor(path: str) -> str | None:
-    """The top-most ancestor of `path` that other users cannot traverse (e.g. a 0700 /root)."""
-    parts = Path(path).parts
-    for i in range(2, len(parts) + 1):
-        ancestor = os.path.join(*parts[:i])
-        try:
-            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
-                return ancestor
-        except OSError:
-            return None
-    return None
-
-
-def _expose_runtime(paths: list[str]) -> None:
-    """Make `paths` readable by sandbox uids without touching the host's permissions.
-
-    A non-traversable ancestor is covered by a tmpfs that contains only bind mounts of the
-    runtime paths below it, so its other contents (keys, histories) stay invisible too.
-    """
-    by_ancestor: dict[str, list[str]] = {}
-    for p in sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)}):
-        if (top := _hidden_ancestor(p)) is not None:
-            by_ancestor.setdefault(top, []).append(p)
-    for top, inner in by_ancestor.items():
-        fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in inner}
-        linux.mount("tmpfs", top, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=1m,mode=0755")
-        for p, fd in fds.items():
-            os.makedirs(p, mode=0o755, exist_ok=True)
-            linux.mount(f"/proc/self/fd/{fd}", p, None, linux.MS_BIND | linux.MS_REC)
-            os.close(fd)
+# What exists inside the sandbox; everything else of the host does not (hidden files cannot leak).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+             "/dev/stderr": "/proc/self/fd/2"}  # fmt: skip
+EMPTY_DIRS = ("/proc", WORKDIR, "/dev/shm", "/etc", "/var/tmp")
+PASSWD = "root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:/tmp:/usr/sbin/nologin\n"
+GROUP = "root:x:0:\nsandbox:x:{uid}:\n"
+NEW_ROOT = WORKDIR  # where the new root is assembled before pivot_root (inside our private mount namespace)
+_ST_TO_MS = {1: linux.MS_RDONLY, 2: linux.MS_NOSUID, 4: linux.MS_NODEV, 8: linux.MS_NOEXEC,
+             1024: 1 << 10, 2048: 1 << 11, 4096: 1 << 21}  # fmt: skip
 
 
 def _within(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
+def _outermost(paths: list[str]) -> list[str]:
+    """The paths not inside another one of them, resolved (binding those binds the rest)."""
+    real = sorted({os.path.realpath(p) for p in paths if os.path.exists(p)})
+    out: list[str] = []
+    for p in real:
+        if not any(_within(p, o) for o in out):
+            out.append(p)
+    return out
+
+
+def runtime_paths() -> list[str]:
+    """What the interpreter of this process needs to import anything: its prefixes and its sys.path."""
+    import sys
+
+    roots = {sys.base_prefix, sys.prefix, sys.exec_prefix} | {p for p in sys.path if p and p != "/"}
+    return _outermost([p for p in roots if os.path.isdir(p)])
+
+
 @functools.lru_cache(maxsize=8)  # fixed per zygote: computed once, not per call
 def _runtime_under(paths: tuple[str, ...], top: str) -> list[str]:
     """The outermost runtime paths inside `top` (e.g. a checkout and its venv under /tmp): a tmpfs on
     `top` would hide them, and lazy imports (numpy.random, ...) would fail inside the call."""
-    inner = sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)})
-    outer: list[str] = []
-    for p in inner:
-        if p != top and _within(p, top) and not any(_within(p, o) for o in outer):
-            outer.append(p)
-    return outer
+    return [p for p in _outermost(list(paths)) if p != top and _within(p, top)]
 
 
-def _bind_readonly(fd: int, target: str) -> None:
-    os.makedirs(target, mode=0o755, exist_ok=True)
+def _mount_flags(path: str) -> int:
+    """The flags of the mount holding `path`: a read-only remount must keep the locked ones (userns)."""
+    flags = os.statvfs(path).f_flag
+    return sum(ms for st, ms in _ST_TO_MS.items() if flags & st)
+
+
+def _bind_readonly(fd: int, target: str, flags: int = 0) -> None:
     linux.mount(f"/proc/self/fd/{fd}", target, None, linux.MS_BIND | linux.MS_REC)
-    linux.mount(None, target, None, linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY)
+    linux.mount(None, target, None, linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY | flags)
     os.close(fd)
 
 
-def _mounts() -> list[tuple[str, set[str]]]:
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        point = fields[4].encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
-        out.append((point, set(fields[5].split(","))))
-    return out
+def _build_root(runtime: list[str], uid: int | None, own_proc: bool) -> None:
+    """Assemble the sandbox's filesystem from an allowlist in a tmpfs, then make it our root.
 
-
-def _make_readonly() -> int:
-    """Remount every mount of this namespace read-only (per mount: the host keeps its view)."""
-    failed = 0
-    for point, opts in _mounts():
-        if "ro" in opts:
-            continue
-        flags = linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY
-        flags |= sum(bit for name, bit in _KEEP_FLAGS.items() if name in opts)
-        try:
-            linux.mount(None, point, None, flags)
-        except OSError:
-            failed += 1
-    return failed
+    Read-only binds of the system directories, the Python runtime, a few /etc files and device
+    nodes; an empty /tmp, /dev/shm and /proc for each call's own mounts. Nothing else of the
+    host (home directories, data, the project's runs) exists inside.
+    """
+    links = {p: os.readlink(p) for p in SYSTEM_DIRS if os.path.islink(p)}
+    dirs = _outermost([p for p in (*SYSTEM_DIRS, *runtime) if p not in links and os.path.isdir(p)])
+    files = [p for p in (*ETC_FILES, *DEVICES) if os.path.exists(p)]
+    sources = {p: (os.open(p, os.O_PATH | os.O_CLOEXEC), _mount_flags(p)) for p in (*dirs, *files)}
+    linux.mount("tmpfs", NEW_ROOT, "tmpfs", linux.MS_NOSUID, "size=4m,mode=0755")
+    root = lambda p: NEW_ROOT + p  # noqa: E731
+    for d in (*EMPTY_DIRS, *dirs):
+        os.makedirs(root(d), mode=0o755, exist_ok=True)
+    os.chmod(root(WORKDIR), 0o1777)
+    for p in files:
+        os.makedirs(os.path.dirname(root(p)), mode=0o755, exist_ok=True)
+        open(root(p), "w").close()
+    for p, target in {**links, **DEV_LINKS}.items():
+        os.symlink(target, root(p))
+    Path(root("/etc/passwd")).write_text(PASSWD.format(uid=uid if uid is not None else 65534))
+    Path(root("/etc/group")).write_text(GROUP.format(uid=uid if uid is not None else 65534))
+    Path(root("/etc/hostname")).write_text(HOSTNAME + "\n")
+    for p, (fd, flags) in sources.items():
+        _bind_readonly(fd, root(p), flags)
+    if own_proc:  # the zygote's own view of processes; each call mounts the proc of its pid namespace
+        linux.mount("proc", root("/proc"), "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
+    else:  # in a user namespace without a pid namespace, proc can only be bound
+        linux.mount("/proc", root("/proc"), None, linux.MS_BIND | linux.MS_REC)
+    linux.mount(None, NEW_ROOT, None, linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID)
+    os.chdir(NEW_ROOT)
+    linux.pivot_root(".", ".")  # the old root ends up stacked below the new one ...
+    linux.umount(".")  # ... and is detached here
+    os.chdir("/")
 
 
 def isolate_zygote(plan: Plan) -> list[str]:
-    """Enter the slot's long-lived namespaces; returns notes about anything that failed."""
-    notes = []
-    plan.cgroup.open()  # before /sys/fs/cgroup turns read-only
+    """Enter the slot's long-lived namespaces and its allowlisted root; returns notes about gaps."""
+    notes: list[str] = []
+    plan.cgroup.open()  # before /sys/fs/cgroup disappears from our view
     if not plan.namespaces:
         return notes
     if plan.userns:
@@ -185,20 +197,24 @@ def isolate_zygote(plan: Plan) -> list[str]:
             os.close(plan.netns_fd)
         linux.unshare(linux.CLONE_NEWNS)
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    if plan.uid is not None:
-        _expose_runtime(plan.runtime_paths)
-    if failed := _make_readonly():
-        notes.append(f"{failed} mount(s) could not be made read-only")
+    plan.runtime_paths = runtime_paths()
+    _build_root(plan.runtime_paths, plan.uid, own_proc=not plan.userns)
     return notes
 
 
-def protect_from_oom_killer() -> None:
-    """The zygote shares its slot's memory cgroup with the call: the OOM killer must pick the call.
+def protect_from_oom_killer() -> str | None:
+    """The fork server shares its slot's memory cgroup with the call: the OOM killer must pick the call.
 
-    Best effort (needs CAP_SYS_RESOURCE); each call also raises its own score to the maximum.
+    Needs CAP_SYS_RESOURCE; returns what is missing when it fails (then only the calls' own
+    maximal scores steer the OOM killer). Each call raises its own score to the maximum.
     """
-    with contextlib.suppress(OSError):
+    try:
         Path("/proc/self/oom_score_adj").write_text("-1000")
+    except OSError as exc:
+        return (
+            f"zygotes are not protected from the OOM killer ({exc.strerror}): a call's OOM may kill a zygote"
+        )
+    return None
 
 
 # ---- call: once per fork, in the child, before user code ----
@@ -238,7 +254,8 @@ def confine_call(plan: Plan, seccomp_program: bytes | None, workdir_mb: int) -> 
         for target in (WORKDIR, "/dev/shm"):
             linux.mount("tmpfs", target, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, size)
         for path, fd in keep.items():  # runtime living under the workdir: visible again, read-only
-            _bind_readonly(fd, path)
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _bind_readonly(fd, path, _mount_flags(f"/proc/self/fd/{fd}"))
     if plan.cgroup.active:
         Path("/proc/self/oom_score_adj").write_text("1000")  # the zygote shares the cgroup: kill us first
     if plan.uid is not None:

@@ -13,7 +13,7 @@ MiB = 1024 * KiB
 class Limits(BaseModel):
     """What one call may use. Every field can be lowered (or raised up to the server maxima) per call."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of the user code")
     memory_mb: int = Field(
@@ -41,10 +41,37 @@ class Limits(BaseModel):
         return self.model_validate({**self.model_dump(), **changes}) if changes else self
 
 
+def host_memory_bytes() -> int | None:
+    """The machine's RAM (MemTotal), or None where /proc/meminfo is unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def fitting_memory_mb(slots: int, ceiling_mb: int = 16 * 1024) -> int:
+    """The largest per-call memory limit such that every slot at its limit still fits in RAM."""
+    total = host_memory_bytes()
+    return ceiling_mb if total is None else max(32, min(ceiling_mb, total // MiB // max(slots, 1)))
+
+
 DEFAULT_LIMITS = Limits()
 SERVER_MAXIMA = Limits(
     timeout_s=300.0, memory_mb=16 * 1024, output_bytes=256 * MiB, keep_bytes=1 * MiB, max_procs=512,
     file_size_mb=1024, open_files=4096,
 )  # fmt: skip
 
-__all__ = ["DEFAULT_LIMITS", "SERVER_MAXIMA", "KiB", "Limits", "MiB", "human_bytes"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "SERVER_MAXIMA",
+    "KiB",
+    "Limits",
+    "MiB",
+    "fitting_memory_mb",
+    "host_memory_bytes",
+    "human_bytes",
+]

@@ -84,6 +84,20 @@ def collapse_to_huge_pages() -> int:
     return done
 
 
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)
+_libc.syscall.restype = ctypes.c_long
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    """Make `new_root` the root of this mount namespace (glibc has no wrapper)."""
+    if _SYS_PIVOT_ROOT is None:
+        raise OSError(f"pivot_root: unknown syscall number on {os.uname().machine}")
+    ret = _libc.syscall(
+        _SYS_PIVOT_ROOT, ctypes.c_char_p(new_root.encode()), ctypes.c_char_p(put_old.encode())
+    )
+    _check(int(ret), "pivot_root")
+
+
 def sethostname(name: str) -> None:
     _check(_libc.sethostname(name.encode(), len(name)), "sethostname")
 

@@ -88,14 +88,6 @@ def _rss_mb(pid: int) -> float:
         return 0.0
 
 
-def _runtime_paths() -> list[str]:
-    import tirl
-
-    roots = {sys.base_prefix, sys.prefix, sys.exec_prefix, str(Path(tirl.__file__).parent.parent)}
-    roots |= {p for p in sys.path if p and os.path.isdir(p)}
-    return sorted(roots)
-
-
 def _zygote_env() -> dict[str, str]:
     import tirl
 
@@ -156,7 +148,7 @@ class Sandbox:
         self._idle: asyncio.Queue[_Slot] = asyncio.Queue()
         self._waiting = 0
         self._busy = 0
-        self._netns_fd: int | None = None
+        self._netns_fds: list[int] = []
         self._cgroups: list[cgroups.SlotCgroup] = []
         self._mode = "none"
         self._missing: list[str] = []
@@ -179,7 +171,9 @@ class Sandbox:
             self._missing.append("isolation disabled by configuration: code runs with the service's rights")
         elif root:
             self._mode = "root"
-            self._netns_fd = netns.create_empty_netns(_zygote_env())
+            # One empty network namespace per zygote: abstract unix sockets live in the network
+            # namespace, so calls of different slots can neither connect nor pass descriptors.
+            self._netns_fds = [netns.create_empty_netns(_zygote_env()) for _ in range(self._lanes())]
             self._cgroups, notes = cgroups.create_slot_cgroups(cgroups.service_name(), self._lanes())
             self._missing += notes
         elif isolation.userns_available():
@@ -206,13 +200,12 @@ class Sandbox:
             plans.append(
                 isolation.Plan(
                     uid=self.uid_base + i if self._mode == "root" else None,
-                    netns_fd=self._netns_fd,
+                    netns_fd=self._netns_fds[i] if self._netns_fds else None,
                     userns=self._mode == "userns",
                     namespaces=self._mode in ("root", "userns"),
                     pid_namespace=self._mode == "root",
                     seccomp=self.seccomp,
                     cgroup=self._cgroups[i] if self._cgroups else cgroups.SlotCgroup(),
-                    runtime_paths=_runtime_paths(),
                 )
             )
         return plans
@@ -270,9 +263,9 @@ class Sandbox:
                     s.proc.kill()
                     await s.proc.wait()
         cgroups.remove_slot_cgroups(self._cgroups)
-        if self._netns_fd is not None:
-            os.close(self._netns_fd)
-            self._netns_fd = None
+        for fd in self._netns_fds:
+            os.close(fd)
+        self._netns_fds = []
         if self._pool_index is not None:  # its uids and cgroups are free only now
             _live_pool_indices.discard(self._pool_index)
 
@@ -379,7 +372,8 @@ class Sandbox:
             "mount_namespace": ns,
             "ipc_namespace": ns,
             "uts_namespace": ns,
-            "network": ("shared empty netns" if root else "per-slot empty netns") if ns else "host network",
+            "network": "per-slot empty netns" if ns else "host network",
+            "allowlisted_root": ns,
             "readonly_root": ns,
             "tmpfs_workdir": ns,
             "per_slot_uid": root,

@@ -16,9 +16,31 @@ class Status(StrEnum):
     KILLED_BY_SIGNAL = "killed_by_signal"
     SANDBOX_ERROR = "sandbox_error"  # infrastructure failure: retried, never the model's fault
     QUEUE_TIMEOUT = "queue_timeout"  # infrastructure overload: retried, never the model's fault
+    # timed out while other processes had the CPUs (little CPU, long waits to run): retried
+    STARVED = "starved"
 
 
-INFRA_STATUSES = frozenset({Status.SANDBOX_ERROR, Status.QUEUE_TIMEOUT})
+# The one definition of "not the model's fault": clients retry these, trainers keep them out of the loss.
+INFRA_STATUSES = frozenset({Status.SANDBOX_ERROR, Status.QUEUE_TIMEOUT, Status.STARVED})
+
+
+def valid_text(s: str) -> str:
+    """`s` as valid UTF-8 text: lone surrogates (which no UTF-8 encoder accepts) become \\udXXX escapes."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _valid(value: object) -> object:
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, dict):
+        return {valid_text(str(k)): _valid(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_valid(v) for v in value]
+    return value
 
 
 @dataclass
@@ -34,6 +56,14 @@ class ExecResult:
     signal: int | None = None
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Every string leaving the sandbox must serialise: one unencodable message must not fail a
+        # whole HTTP response (and with it the other results of a batch).
+        self.stdout, self.stderr, self.message = (
+            valid_text(t) for t in (self.stdout, self.stderr, self.message)
+        )
+        self.extra = _valid(self.extra)
+
     @property
     def ok(self) -> bool:
         return self.status == Status.OK
@@ -43,7 +73,7 @@ class ExecResult:
         return self.status in INFRA_STATUSES
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = _valid(asdict(self))  # fields may have been set after construction
         d["status"] = str(self.status)
         return d
 

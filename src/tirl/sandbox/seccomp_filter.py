@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 
 from tirl.sandbox import linux
 
@@ -26,6 +27,7 @@ DENIED_SYSCALLS = (
     "swapon", "swapoff", "acct", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "syslog", "quotactl", "vhangup", "personality",
 )  # fmt: skip
+ALLOWED_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 TIOCSTI = 0x5412  # push characters into a terminal's input queue
 NAMESPACE_CLONE_FLAGS = (
     linux.CLONE_NEWNS, linux.CLONE_NEWUTS, linux.CLONE_NEWIPC, linux.CLONE_NEWUSER,
@@ -44,6 +46,13 @@ def compile_denylist() -> bytes:
     f.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
     for flag in NAMESPACE_CLONE_FLAGS:  # clone() may fork and spawn threads, not make namespaces
         f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    # Socket families: local, IPv4 and IPv6 only (the latter fail cleanly without a network). No
+    # AF_VSOCK to the hypervisor, no netlink, packet or bluetooth sockets.
+    no_family = sc.ERRNO(errno.EAFNOSUPPORT)
+    for call in ("socket", "socketpair"):
+        f.add_rule(no_family, call, sc.Arg(0, sc.GT, max(ALLOWED_FAMILIES)))
+        for family in set(range(max(ALLOWED_FAMILIES))) - set(ALLOWED_FAMILIES):
+            f.add_rule(no_family, call, sc.Arg(0, sc.EQ, family))
     # clone3 passes its flags in memory BPF cannot read: ENOSYS makes libc fall back to clone().
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     f.set_attr(sc.Attr.CTL_NNP, 0)  # no_new_privs is set explicitly by the caller

@@ -1,37 +1,51 @@
 """`tirl sandbox serve`: the sandbox pool behind HTTP (FastAPI + uvicorn).
 
 POST /run (one call), POST /run/batch (many, results in order), POST /run_code (SandboxFusion),
-GET /health, GET /metrics (Prometheus). Overload answers 429 / `queue_timeout` quickly; garbage
-requests answer 4xx with a message saying what was wrong; optional bearer-token auth.
+GET /health (no token needed: it shows load, limits and active isolation, nothing a caller could
+abuse), GET /metrics (Prometheus). Overload answers 429 / `queue_timeout` quickly.
+
+Every request passes a guard before the app sees it: the Host header must name this machine
+when no token is set (a DNS-rebinding web page cannot reach a token-less local service), the
+token is checked before the body is read, the body must arrive within BODY_TIMEOUT_S and fit
+in `max_body_bytes` (413), and a connection that does not finish its request headers within
+HEADER_TIMEOUT_S is closed (slowloris). Bodies are JSON whatever the Content-Type says (so
+`curl -d` works); anything that is not a valid request answers 4xx with a message, never 500.
+There are no /docs or /openapi.json pages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tirl.sandbox.fusion import PYTHON_NAMES, RunCodeRequest, to_fusion
-from tirl.sandbox.limits import MiB
+from tirl.sandbox.limits import MiB, host_memory_bytes
 from tirl.sandbox.metrics import ServiceMetrics
 from tirl.sandbox.pool import Sandbox
 from tirl.sandbox.result import ExecResult, Status
 
 MAX_BODY_BYTES = 64 * MiB
 MAX_BATCH = 4096
+MAX_RESPONSE_BYTES = 512 * MiB  # a batch whose kept output could exceed this is refused
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 60.0
+PUBLIC_PATHS = frozenset({"/health"})
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+Model = TypeVar("Model", bound=BaseModel)
 
 
 class LimitsOverride(BaseModel):
     """Per-call limits; each is clamped to the server's maxima."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     memory_mb: int | None = Field(None, ge=32)
     output_bytes: int | None = Field(None, ge=1024)
@@ -42,7 +56,7 @@ class LimitsOverride(BaseModel):
 
 
 class RunRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     code: str
     stdin: str = ""
@@ -52,52 +66,108 @@ class RunRequest(BaseModel):
 
 
 class BatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     calls: list[RunRequest] = Field(max_length=MAX_BATCH)
 
 
-class BodyLimit:
-    """ASGI middleware: refuse bodies over `max_bytes` (declared or streamed) with 413."""
+def _json_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class Guard:
+    """ASGI middleware: Host check, token, then the body (bounded in size and time), before the app."""
+
+    def __init__(self, app: Any, token: str | None, max_bytes: int, allowed_hosts: frozenset[str]) -> None:
+        self.app, self.token, self.max_bytes, self.allowed_hosts = app, token, max_bytes, allowed_hosts
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers", [])).get(b"content-length")
+        headers = dict(scope.get("headers", []))
+        if (problem := self._refusal(scope, headers)) is not None:
+            return await problem(scope, receive, send)
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
-        seen = 0
+            return await self._too_large()(scope, receive, send)
+        try:
+            body = await asyncio.wait_for(self._read(receive), BODY_TIMEOUT_S)
+        except _TooLarge:
+            return await self._too_large()(scope, receive, send)
+        except TimeoutError:
+            return await _json_error(408, f"request body not received within {BODY_TIMEOUT_S:g} s")(
+                scope, receive, send
+            )
+        replayed = False
 
-        async def limited() -> dict:
-            nonlocal seen
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # disconnect notices
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _refusal(self, scope: dict, headers: dict[bytes, bytes]) -> JSONResponse | None:
+        if self.token is None:
+            host = headers.get(b"host", b"").decode("latin-1").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name not in self.allowed_hosts:
+                return _json_error(
+                    421, f"Host {host!r} is not this service: without a token only {sorted(self.allowed_hosts)} "
+                    "are accepted (start the service with a token, or add the name with --allow-host)",
+                )  # fmt: skip
+        if self.token is not None and scope.get("path") not in PUBLIC_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+                return _json_error(
+                    401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')"
+                )
+        return None
+
+    async def _read(self, receive: Any) -> bytes:
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] == "http.disconnect":
+                raise TimeoutError
+            chunk = message.get("body", b"")
+            seen += len(chunk)
             if seen > self.max_bytes:
                 raise _TooLarge
-            return message
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send: Any) -> None:
-        body = f'{{"error": "request body too large (limit {self.max_bytes} bytes)"}}'.encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+    def _too_large(self) -> JSONResponse:
+        return _json_error(413, f"request body too large (limit {self.max_bytes} bytes)")
 
 
 class _TooLarge(Exception):
     pass
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+async def _parse(request: Request, model: type[Model]) -> Model:
+    """The body as `model`, whatever the Content-Type says; 400/422 with a message otherwise."""
+    body = await request.body()
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise HTTPException(
+            400, f'the body is not JSON ({exc}); send a JSON object such as {{"code": "print(1)"}}'
+        ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"body.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:10]
+        )
+        raise HTTPException(422, f"invalid request: {problems}") from None
 
 
 def _check_language(language: str) -> None:
@@ -107,7 +177,35 @@ def _check_language(language: str) -> None:
         )
 
 
-def create_app(sandbox: Sandbox, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def _check_fits(sandbox: Sandbox, calls: list[RunRequest]) -> None:
+    """Refuse what the machine cannot hold: stdin beyond the call's memory, batches whose results
+    (head and tail of two streams per call) would not fit in one response."""
+    response = 0
+    for i, call in enumerate(calls):
+        limits = sandbox.call_limits(
+            call.timeout, call.limits.model_dump(exclude_none=True) if call.limits else None
+        )
+        stdin = len(call.stdin.encode("utf-8", "surrogatepass"))
+        if stdin > limits.memory_mb * MiB // 2:
+            where = f"calls.{i}." if len(calls) > 1 else ""
+            raise HTTPException(
+                413,
+                f"{where}stdin is {stdin >> 20} MiB: more than half the call's memory limit ({limits.memory_mb} MiB)",
+            )
+        response += 4 * limits.keep_bytes
+    if response > MAX_RESPONSE_BYTES:
+        raise HTTPException(
+            413, f"the batch's results could reach {response >> 20} MiB (4 x keep_bytes per call): "
+            f"send smaller batches or a smaller keep_bytes (at most {MAX_RESPONSE_BYTES >> 20} MiB per batch)",
+        )  # fmt: skip
+
+
+def create_app(
+    sandbox: Sandbox,
+    token: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    allowed_hosts: frozenset[str] | set[str] = frozenset(),
+) -> FastAPI:
     """The HTTP app around a (not yet started) Sandbox; the app's lifespan starts and stops it."""
     metrics = ServiceMetrics(lambda: sandbox.health()["queued"], lambda: sandbox.health()["busy"])
 
@@ -116,49 +214,46 @@ def create_app(sandbox: Sandbox, token: str | None = None, max_body_bytes: int =
         async with sandbox:
             yield
 
-    def authorize(request: Request) -> None:
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise HTTPException(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')")
+    app = FastAPI(title="tirl sandbox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    app = FastAPI(title="tirl sandbox", lifespan=lifespan, dependencies=[Depends(authorize)])
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    @app.exception_handler(HTTPException)
+    async def refused(_: Request, exc: HTTPException) -> JSONResponse:
         metrics.rejected.inc()
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:10]
-        )  # fmt: skip
-        return JSONResponse(
-            {"error": f"invalid request: {problems}", "detail": exc.errors()[:10]}, status_code=422
-        )
+        return _json_error(exc.status_code, str(exc.detail))
 
     async def run_one(req: RunRequest) -> ExecResult:
+        """One call; whatever goes wrong stays this call's result (a batch never fails as a whole)."""
         start = time.monotonic()
-        limits = req.limits.model_dump(exclude_none=True) if req.limits else None
-        result = await sandbox.run(req.code, req.stdin, req.timeout, limits)
+        try:
+            limits = req.limits.model_dump(exclude_none=True) if req.limits else None
+            result = await sandbox.run(req.code, req.stdin, req.timeout, limits)
+        except Exception as exc:  # reported as this call's infrastructure failure
+            result = ExecResult(Status.SANDBOX_ERROR, message=f"sandbox error: {exc!r}")
         metrics.observe(result, time.monotonic() - start)
         return result
 
     @app.post("/run")
-    async def run(req: RunRequest) -> JSONResponse:
+    async def run(request: Request) -> JSONResponse:
+        req = await _parse(request, RunRequest)
         _check_language(req.language)
+        _check_fits(sandbox, [req])
         result = await run_one(req)
         overloaded = result.status == Status.QUEUE_TIMEOUT
         headers = {"Retry-After": "1"} if overloaded else None
         return JSONResponse(result.to_dict(), status_code=429 if overloaded else 200, headers=headers)
 
     @app.post("/run/batch")
-    async def run_batch(req: BatchRequest) -> dict:
+    async def run_batch(request: Request) -> dict:
+        req = await _parse(request, BatchRequest)
         for call in req.calls:
             _check_language(call.language)
+        _check_fits(sandbox, req.calls)
         results = await asyncio.gather(*(run_one(c) for c in req.calls))
         return {"results": [r.to_dict() for r in results]}
 
     @app.post("/run_code")
-    async def run_code(req: RunCodeRequest) -> dict:
+    async def run_code(request: Request) -> dict:
+        req = await _parse(request, RunCodeRequest)
         _check_language(req.language)
         if req.files or req.fetch_files:
             raise HTTPException(
@@ -169,10 +264,9 @@ def create_app(sandbox: Sandbox, token: str | None = None, max_body_bytes: int =
             if req.memory_limit_MB and req.memory_limit_MB > 0
             else None
         )
-        result = await run_one(
-            RunRequest(code=req.code, stdin=req.stdin or "", timeout=req.run_timeout, limits=limits)
-        )
-        return to_fusion(result)
+        call = RunRequest(code=req.code, stdin=req.stdin or "", timeout=req.run_timeout, limits=limits)
+        _check_fits(sandbox, [call])
+        return to_fusion(await run_one(call))
 
     @app.get("/health")
     async def health() -> dict:
@@ -182,15 +276,85 @@ def create_app(sandbox: Sandbox, token: str | None = None, max_body_bytes: int =
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(
+        Guard, token=token, max_bytes=max_body_bytes, allowed_hosts=LOOPBACK_HOSTS | set(allowed_hosts)
+    )
     return app
 
 
+def check_fits_machine(slots: int, max_memory_mb: int) -> None:
+    """Refuse to start when the slots' memory could exceed the machine's (the OOM killer would pick)."""
+    total = host_memory_bytes()
+    if total and slots * max_memory_mb * MiB > total:
+        raise ValueError(
+            f"{slots} slots x {max_memory_mb} MiB (the largest memory limit a call may ask for) "
+            f"exceed this machine's {total >> 20} MiB: lower --max-memory-mb or --slots"
+        )
+
+
+def _protocol(http: str) -> type:
+    """uvicorn's HTTP protocol, closing connections that do not finish a request's headers in time."""
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    base = import_from_string(HTTP_PROTOCOLS[http])
+
+    class HeaderDeadline(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request on this connection gets the same deadline
+
+        def _arm(self) -> None:
+            cycle = self.cycle
+            self.loop.call_later(HEADER_TIMEOUT_S, self._expire, cycle)
+
+        def _expire(self, cycle: object) -> None:
+            if self.cycle is cycle and not self.transport.is_closing():  # no request started since
+                self.transport.close()
+
+    return HeaderDeadline
+
+
 def serve(
-    host: str = "127.0.0.1", port: int = 8080, token: str | None = None, **sandbox_options: Any
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    token: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    **sandbox_options: Any,
 ) -> None:
     """Run the service in the foreground until interrupted."""
+    import importlib.util
+
     import uvicorn
 
-    app = create_app(Sandbox(**sandbox_options), token=token)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    sandbox = Sandbox(**sandbox_options)
+    check_fits_machine(sandbox.slots, sandbox.maxima.memory_mb)
+    hosts = {*(allowed_hosts or ()), host.lower()} - {"0.0.0.0", "::"}
+    app = create_app(sandbox, token=token, allowed_hosts=hosts)
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+        http=_protocol(http),
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        async def announce() -> None:
+            while not server.started and not server.should_exit:
+                await asyncio.sleep(0.05)
+            if server.started:
+                auth = "bearer token required" if token else "no token: loopback Host names only"
+                print(
+                    f"tirl sandbox listening on http://{host}:{port} ({sandbox.slots} slots, {auth})",
+                    flush=True,
+                )
+
+        task = asyncio.create_task(announce())
+        await server.serve()
+        task.cancel()
+
+    asyncio.run(main())

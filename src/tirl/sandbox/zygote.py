@@ -1,17 +1,21 @@
-"""The warm zygote of one slot: imports once, then forks one confined child per call.
+"""The warm zygote of one slot: imports once, then splits into a fork server and a supervisor.
 
 Started by the pool as `python -m tirl.sandbox.zygote`; talks frames on its original stdin/stdout.
-It enters the slot's long-lived namespaces, pre-imports numpy/sympy/scipy and the error-path
-stdlib, runs warm-up cells in itself (so lazy imports and caches are inherited by every fork),
-then serves calls one at a time. The next call's process is forked and confined while the pool
-handles the previous reply (pre-fork), so a call's latency is mostly the user's code. It asks to
-be recycled after `max_calls` calls or when its own memory grew by `max_growth_mb`.
+It enters the slot's long-lived namespaces and allowlisted root, pre-imports numpy/sympy/scipy and
+the error-path stdlib, and runs warm-up cells in itself (so lazy imports and caches are inherited
+by every fork). Then, before any call exists, it forks its fork server (forkserver.py), which
+forks and confines each call's process; this process stays the slot's supervisor: it moves each
+call's request and output bytes, enforces its deadline and output cap, and classifies how it
+ended. The process that forks user code therefore never holds any call's data (a call cannot
+read an earlier call's code, stdin or output from its own memory). The next call's process is
+prepared while the pool handles the previous reply, so a call's latency is mostly the user's code.
+The supervisor asks to be recycled after `max_calls` calls or when its memory grew by
+`max_growth_mb`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import importlib
 import io
@@ -19,15 +23,15 @@ import itertools
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from tirl.sandbox import capture, cell, framing, isolation, linux
+from tirl.sandbox import capture, cell, forkserver, framing, isolation, linux
 from tirl.sandbox.isolation import MiB
 from tirl.sandbox.result import ExecResult, Status, human_bytes
 
@@ -48,18 +52,16 @@ WARMUP = (
     "1/0",
     "import scipy.optimize as so\nso.brentq(lambda v: v**3 - 2, 0, 2)",
 )
-ZYGOTE_HEADROOM = 32 * MiB  # the zygote shares its slot's memory cgroup with the call
-CONFINE_FAILED = 121  # exit code of a child whose confinement failed (never user code's fault)
+ZYGOTE_HEADROOM = 32 * MiB  # the fork server shares its slot's memory cgroup with the call
+# A timed-out call that got less than this share of a CPU while its threads waited to run for most
+# of the wall time was starved by other processes: an infrastructure failure, not the code's.
+STARVED_CPU_SHARE = 0.1
+STARVED_WAIT_SHARE = 0.5
 
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _vm_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _warm_up(modules: list[str], cells: list[str]) -> None:
@@ -83,173 +85,177 @@ def _warm_up(modules: list[str], cells: list[str]) -> None:
                 traceback.format_exc()  # the error path must be warm too
 
 
-REQUEST_FD = cell.RESULT_FD + 1  # the prepared child reads its call from here
+# Outcomes the runner reports after user code (cell.py); anything else on the result pipe is ignored.
+_OUTCOMES = frozenset({"ok", "syntax_error", "exit", "memory_error", "error"})
+
+
+def _last_report(raw: bytes, outcomes: frozenset[str]) -> dict:
+    """The last line of `raw` that is a JSON object with a known outcome (never raises)."""
+    for line in reversed(raw.split(b"\n")):
+        try:
+            info = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(info, dict) and info.get("outcome") in outcomes:
+            return {k: v if isinstance(v, bool | int) else str(v) for k, v in info.items()}
+    return {}
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 @dataclass
-class Prepared:
-    """A child forked and confined ahead of its call, waiting for the code on a pipe."""
+class Watch:
+    """What the supervisor measured about one call, besides its output."""
 
-    pid: int
-    request: int  # write end: the call's frame
-    stdout: int
-    stderr: int
-    result: int
-
-    def close(self) -> None:
-        for fd in (self.request, self.stdout, self.stderr, self.result):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    status: int  # wait status of the call's pid 1
+    wall_ms: float
+    oom: bool
+    slot_cpu_ms: float | None  # CPU of every process of the call (cgroup accounting), if available
+    run_wait_ms: float | None  # time the call's threads were runnable but not running, at a timeout
 
 
-def prefork(plan: isolation.Plan, program: bytes | None, own_pidns: int, workdir_mb: int) -> Prepared:
-    """Fork and confine the next call's process now, so the call itself only runs the code."""
-    request, out, err, res = (os.pipe() for _ in range(4))
-    if plan.pid_namespace:
-        # The next child becomes pid 1 of a fresh pid namespace. The kernel allows this only while
-        # our children's pid namespace is still our own, so point it back there first.
-        linux.setns(own_pidns, linux.CLONE_NEWPID)
-        linux.unshare(linux.CLONE_NEWPID)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _child(plan, program, workdir_mb, (request[0], out[1], err[1], res[1]))
-        finally:
-            os._exit(CONFINE_FAILED)
-    for fd in (request[0], out[1], err[1], res[1]):
-        os.close(fd)
-    return Prepared(pid, request[1], out[0], err[0], res[0])
+def _classify(got: capture.Collected, watch: Watch, limits: Limits) -> ExecResult:
+    """How the call ended, from what only the sandbox knows; never raises, never trusts user code.
 
-
-def _child(
-    plan: isolation.Plan, program: bytes | None, workdir_mb: int, fds: tuple[int, int, int, int]
-) -> None:
-    """In the forked child: wire fds, confine, wait for the call, apply its limits, run it. Never returns."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in fds]  # out of the way of 0-4, which we overwrite
-    try:
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        for target, fd in zip((REQUEST_FD, 1, 2, cell.RESULT_FD), high, strict=True):
-            os.dup2(fd, target)
-        os.closerange(REQUEST_FD + 1, 1 << 16)  # nothing of the zygote leaks into user code
-        address_space = _vm_bytes()
-        isolation.confine_call(plan, program, workdir_mb)
-        _reseed()  # each child reseeds after its own fork: no two calls share random state
-        cell.open_streams()
-    except BaseException as exc:  # report, never run user code half-confined
-        _fail(exc)
-    try:
-        req = framing.read_frame(REQUEST_FD)
-    except EOFError:
-        os._exit(0)  # the zygote is shutting down
-    try:
-        os.close(REQUEST_FD)
-        stdin_fd = os.memfd_create("stdin")  # before the limits: stdin is not the code's file output
-        os.write(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
-        os.lseek(stdin_fd, 0, os.SEEK_SET)
-        os.dup2(stdin_fd, 0)
-        os.close(stdin_fd)
-        limits = _limits(req)
-        isolation.apply_limits(
-            limits, address_space + limits.memory_mb * MiB, with_nproc=plan.uid is not None
-        )
-    except BaseException as exc:
-        _fail(exc)
-    cell.run_cell(req["code"])
-
-
-def _limits(req: dict) -> Limits:
-    """The call's limits as plain attributes: the pool validated them, and pydantic stays out of
-    the zygote's image (every byte of it is copied by each fork)."""
-    return cast("Limits", SimpleNamespace(**req["limits"]))
-
-
-def _fail(exc: BaseException) -> None:
-    try:
-        os.write(cell.RESULT_FD, json.dumps({"outcome": "confine_failed", "error": repr(exc)}).encode())
-    finally:
-        os._exit(CONFINE_FAILED)
-
-
-def _reseed() -> None:
-    import random
-
-    random.seed()
-    if "numpy.random" in sys.modules:  # loaded in the zygote: its state was copied by the fork
-        sys.modules["numpy.random"].seed()
-
-
-def _classify(got: capture.Collected, status: int, limits: Limits, oom: bool, wall_ms: float) -> ExecResult:
+    A sandbox error is only possible before STARTED: after it, whatever the process wrote to the
+    result pipe or exited with is the program's own doing.
+    """
     r = ExecResult(
-        status=Status.OK, stdout=got.stdout.text(), stderr=got.stderr.text(), wall_ms=round(wall_ms, 2),
+        status=Status.OK, stdout=got.stdout.text(), stderr=got.stderr.text(), wall_ms=round(watch.wall_ms, 2),
         stdout_truncated_bytes=got.stdout.dropped, stderr_truncated_bytes=got.stderr.dropped,
     )  # fmt: skip
     r.extra.update(output_bytes=got.stdout.total + got.stderr.total, stdout_bytes=got.stdout.total,
                    stderr_bytes=got.stderr.total, keep_bytes=limits.keep_bytes)  # fmt: skip
-    try:
-        # the runner reports last, after user code: a line user code wrote to fd 3 cannot stand in for it
-        info = json.loads(got.result.decode().strip().splitlines()[-1]) if got.result.strip() else {}
-    except (ValueError, IndexError):
-        info = {}
+    started = got.result.startswith(forkserver.STARTED)
+    status = watch.status
     memory = f"memory limit is {human_bytes(limits.memory_mb * MiB)}"
+    if not started:
+        info = _last_report(got.result, frozenset({"confine_failed"}))
+        r.status = Status.SANDBOX_ERROR
+        if watch.oom:
+            r.status, r.message = Status.MEMORY_LIMIT, f"MemoryError: stdin does not fit: {memory}"
+        elif got.killed == "timeout":
+            r.message = "sandbox setup did not finish before the deadline"
+        else:
+            r.message = f"sandbox setup failed: {info.get('error') or f'wait status {status}'}"
+        return r
+    info = _last_report(got.result[len(forkserver.STARTED) :], _OUTCOMES)
     if got.killed == "timeout":
         r.status, r.message = Status.TIMEOUT, f"Timed out after {limits.timeout_s:.1f} s"
+        if _starved(watch):
+            r.status = Status.STARVED
+            r.message = (f"starved: the call got {watch.slot_cpu_ms:.0f} ms of CPU in {watch.wall_ms:.0f} ms "
+                         f"(waited {watch.run_wait_ms:.0f} ms to run); the machine is overloaded")  # fmt: skip
     elif got.killed == "output":
         r.status = Status.OUTPUT_LIMIT
         r.message = f"output limit exceeded: killed after {human_bytes(r.extra['output_bytes'])} (cap {human_bytes(limits.output_bytes)})"
     elif os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         r.signal = sig
-        if sig == signal.SIGKILL and oom:
+        if sig == signal.SIGKILL and watch.oom:
             r.status, r.message = Status.MEMORY_LIMIT, f"MemoryError: {memory}"
         elif sig == signal.SIGXCPU or (
-            sig == signal.SIGKILL and info.get("outcome") is None and wall_ms > limits.timeout_s * 1000
+            sig == signal.SIGKILL and not info and watch.wall_ms > limits.timeout_s * 1000
         ):
             r.status, r.message = Status.TIMEOUT, f"Timed out after {limits.timeout_s:.1f} s (CPU time limit)"
         else:
-            r.status, r.message = Status.KILLED_BY_SIGNAL, f"killed by {signal.Signals(sig).name}"
+            r.status, r.message = Status.KILLED_BY_SIGNAL, f"killed by {_signal_name(sig)}"
     else:
         r.exit_code = os.WEXITSTATUS(status)
         outcome = info.get("outcome")
-        if outcome == "confine_failed" or (r.exit_code == CONFINE_FAILED and outcome is None):
-            r.status, r.message = (
-                Status.SANDBOX_ERROR,
-                f"sandbox setup failed: {info.get('error', 'unknown')}",
-            )
-        elif outcome == "memory_error":
+        if outcome == "memory_error":
             r.status, r.message = Status.MEMORY_LIMIT, f"MemoryError: {memory}"
         elif outcome == "syntax_error":
             r.status, r.message = Status.SYNTAX_ERROR, info.get("error", "SyntaxError")
         elif outcome == "error":
             r.status, r.message = Status.RUNTIME_ERROR, info.get("error", "error")
             r.extra["error_type"] = info.get("type")
-            if info.get("network"):
+            if info.get("network") is True:
                 r.extra["network_blocked"] = True
         elif r.exit_code != 0:
             r.status, r.message = Status.RUNTIME_ERROR, f"exited with code {r.exit_code}"
     return r
 
 
-def serve_call(plan: isolation.Plan, child: Prepared, req: dict) -> ExecResult:
-    """Hand the call to the prepared child, watch it, and classify how it ended."""
-    limits = _limits(req)
+def _starved(watch: Watch) -> bool:
+    """Little CPU for the whole call while its threads waited to run: other processes had the CPUs.
+
+    Needs the slot's CPU accounting: a call whose own processes compete with each other (e.g. a
+    fork bomb throttled by the slot's quota) has used its CPU and is not starved.
+    """
+    if watch.slot_cpu_ms is None or watch.run_wait_ms is None:
+        return False
+    return (
+        watch.slot_cpu_ms < STARVED_CPU_SHARE * watch.wall_ms
+        and watch.run_wait_ms > STARVED_WAIT_SHARE * watch.wall_ms
+    )
+
+
+def _run_wait_ms(pid: int) -> float | None:
+    """Sum over the process's threads of the time spent runnable but not running (schedstat)."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e6
+
+
+def serve_call(
+    plan: isolation.Plan, child: forkserver.Prepared, req: dict, server: socket.socket
+) -> ExecResult:
+    """Hand the call to the prepared child, watch it, have it reaped, and classify how it ended."""
+    limits = forkserver.call_limits(req)
     plan.cgroup.set_limits(limits.memory_mb * MiB + ZYGOTE_HEADROOM, limits.max_procs + 1)
-    oom_before = plan.cgroup.oom_kills()
+    oom_before, cpu_before = plan.cgroup.oom_kills(), plan.cgroup.cpu_ns()
+    run_wait: list[float | None] = [None]
     start = time.monotonic()
     try:
         with contextlib.suppress(BrokenPipeError):  # a child that died in setup says why on fd 3
             framing.write_frame(child.request, req)
         os.close(child.request)
-        got = capture.collect(child.pid, child.stdout, child.stderr, child.result, start + limits.timeout_s,
-                              limits.keep_bytes, limits.output_bytes)  # fmt: skip
+        child.request = -1
+        got = capture.collect(
+            child.pidfd, child.stdout, child.stderr, child.result, start + limits.timeout_s, limits.keep_bytes,
+            limits.output_bytes, before_kill=lambda: run_wait.__setitem__(0, _run_wait_ms(child.pid)),
+        )  # fmt: skip
     finally:
         child.close()
-        _, status, usage = os.wait4(child.pid, 0)  # pid 1 exits last: the whole namespace is gone
+        server.send(forkserver.NEXT)  # reap it (and prepare the next child while we classify)
+    status, cpu_s, faults = forkserver.reaped(server)
     wall_ms = (time.monotonic() - start) * 1000
-    result = _classify(got, status, limits, plan.cgroup.oom_kills() > oom_before, wall_ms)
-    result.extra.update(
-        cpu_ms=round((usage.ru_utime + usage.ru_stime) * 1000, 2), page_faults=usage.ru_minflt
-    )
+    cpu_after = plan.cgroup.cpu_ns()
+    slot_cpu = (cpu_after - cpu_before) / 1e6 if cpu_before is not None and cpu_after is not None else None
+    watch = Watch(status, wall_ms, plan.cgroup.oom_kills() > oom_before, slot_cpu, run_wait[0])
+    result = _classify(got, watch, limits)
+    result.extra.update(cpu_ms=round(cpu_s * 1000, 2), page_faults=faults)
+    if slot_cpu is not None:
+        result.extra["slot_cpu_ms"] = round(slot_cpu, 2)
     return result
+
+
+def _start_fork_server(
+    plan: isolation.Plan, program: bytes | None, workdir_mb: int, keep: tuple[int, ...]
+) -> socket.socket:
+    """Fork the fork server now, while this process has seen no call; returns our end of its socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if os.fork() == 0:
+        try:
+            ours.close()
+            for fd in keep:  # the pool's control pipes: only the supervisor may hold them
+                os.close(fd)
+            forkserver.serve(theirs, plan, program, workdir_mb)
+        finally:
+            os._exit(1)
+    theirs.close()
+    return ours
 
 
 def main() -> None:
@@ -259,9 +265,10 @@ def main() -> None:
     os.dup2(2, 1)  # stray prints of imported libraries go to the log, not into the protocol
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the pool (and take the calls along)
     config = framing.read_frame(ctl_in)
-    isolation.protect_from_oom_killer()
     plan = isolation.Plan.from_dict(config["plan"])
     notes = isolation.isolate_zygote(plan)
+    if problem := isolation.protect_from_oom_killer():
+        notes.append(problem)
     program = None
     if plan.seccomp:
         from tirl.sandbox import seccomp_filter
@@ -270,32 +277,31 @@ def main() -> None:
     _warm_up(config.get("preload", list(PRELOAD)), config.get("warmup", list(WARMUP)))
     gc.freeze()  # children's collections never touch (and copy) the zygote's pages
     linux.collapse_to_huge_pages()  # fewer page-table entries: each fork copies (and each exit frees) less
-    # Children are born in the slot's cgroup instead of migrating into it per call (a cgroup v1
-    # migration costs milliseconds). Joining after warm-up leaves the zygote's own pages charged
-    # to the service, so the slot's usage is the call's memory plus the zygote's small growth.
-    plan.cgroup.join()
-    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    workdir_mb = config.get("workdir_mb", 64)
+    server = _start_fork_server(plan, program, workdir_mb, (ctl_in, ctl_out))
+    del program
     rss0 = _rss_bytes()
     framing.write_frame(ctl_out, {"ready": True, "pid": os.getpid(), "notes": notes, "rss": rss0})
     max_calls, max_growth = config.get("max_calls", 5000), config.get("max_growth_mb", 200) * MiB
-    workdir_mb = config.get("workdir_mb", 64)
-    child = prefork(plan, program, own_pidns, workdir_mb)
+    server.send(forkserver.FORK)
+    child = forkserver.receive(server)
     for calls in itertools.count(1):
         try:
             req = framing.read_frame(ctl_in)
         except EOFError:
             break
+        recycle = calls >= max_calls
         try:
-            result = serve_call(plan, child, req)
-        except Exception as exc:  # the zygote survives and says what broke
+            result = serve_call(plan, child, req, server)
+            child = forkserver.receive(server)
+        except Exception as exc:  # the slot is in an unknown state: say what broke, then be replaced
             result = ExecResult(Status.SANDBOX_ERROR, message=f"sandbox error: {exc!r}")
-        recycle = calls >= max_calls or _rss_bytes() - rss0 > max_growth
+            recycle = True
+        recycle = recycle or _rss_bytes() - rss0 > max_growth
         framing.write_frame(ctl_out, {"result": result.to_dict(), "recycle": recycle})
         if recycle:
-            return
-        child = prefork(plan, program, own_pidns, workdir_mb)  # while the pool handles the reply
-    child.close()  # the prepared child sees EOF and exits
-    os.waitpid(child.pid, 0)
+            break
+    server.close()  # the fork server exits; its prepared child sees EOF (or dies with it)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,190 @@
+"""The fork server of a slot: forks and confines each call's process, and never sees a call.
+
+It is forked from the warm zygote right after warm-up, before any call exists, and from then on
+receives only one-byte commands from the slot's supervisor over a socket: FORK (prepare a child)
+or NEXT (reap the child that ran, then prepare the next). It answers with the new child's pipes
+(passed as file descriptors) and, for NEXT, the exit status of the reaped child (only a parent
+can reap). A call's code, stdin and output travel between the supervisor and the child directly:
+no call's data ever enters this process, so the memory every child starts from (a copy of this
+process's) holds nothing of any earlier call.
+
+The child confines itself at once (isolation.confine_call), then waits for its call on a pipe,
+applies the call's limits, writes STARTED on the result pipe and only then runs user code. So a
+failure reported before STARTED is the sandbox's, and nothing user code does can pose as one.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, cast
+
+from tirl.sandbox import cell, framing, isolation, linux
+from tirl.sandbox.isolation import MiB
+
+if TYPE_CHECKING:
+    from tirl.sandbox.limits import Limits
+
+FORK, NEXT = b"f", b"n"
+REQUEST_FD = cell.RESULT_FD + 1  # the prepared child reads its call from here
+CONFINE_FAILED = 121  # exit code of a child whose set-up failed (only meaningful before STARTED)
+STARTED = b"\x00started\n"  # first bytes on the result pipe once set-up is done and user code starts
+
+
+@dataclass
+class Prepared:
+    """The supervisor's handles on a child forked and confined ahead of its call."""
+
+    pid: int
+    pidfd: int
+    request: int  # write end: the call's frame
+    stdout: int
+    stderr: int
+    result: int
+
+    def close(self) -> None:
+        for fd in (self.pidfd, self.request, self.stdout, self.stderr, self.result):
+            if fd >= 0:
+                os.close(fd)
+        self.pidfd = self.request = self.stdout = self.stderr = self.result = -1
+
+
+def receive(sock: socket.socket) -> Prepared:
+    """(supervisor) The next prepared child, as sent by the fork server."""
+    msg, fds, _, _ = socket.recv_fds(sock, 64, 5)
+    if not msg.startswith(b"p") or len(fds) != 5:
+        for fd in fds:
+            os.close(fd)
+        raise RuntimeError(f"the fork server failed (sent {msg[:40]!r})")
+    return Prepared(int(msg[1:]), *fds)
+
+
+def reaped(sock: socket.socket) -> tuple[int, float, int]:
+    """(supervisor) The wait status, CPU seconds and minor faults of the child that ran."""
+    msg = sock.recv(256)
+    if not msg.startswith(b"s"):
+        raise RuntimeError(f"the fork server failed (sent {msg[:40]!r})")
+    status, cpu_s, faults = json.loads(msg[1:])
+    return int(status), float(cpu_s), int(faults)
+
+
+def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, workdir_mb: int) -> None:
+    """(fork server) Prepare children on request until the supervisor goes away; never returns."""
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the supervisor (children follow)
+    # Children are born in the slot's cgroups instead of migrating into them per call (a cgroup v1
+    # migration costs milliseconds). Joining after warm-up leaves the warm pages charged to the
+    # service, so a slot's usage is its call's memory plus the fork server's small growth.
+    plan.cgroup.join()
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    running: collections.deque[int] = collections.deque()
+    while True:
+        try:
+            command = sock.recv(1)
+        except OSError:
+            break
+        if not command:
+            break
+        if command == NEXT and running:
+            _reap(sock, running.popleft())
+        running.append(_prepare(sock, plan, program, own_pidns, workdir_mb))
+    os._exit(0)  # prepared children see EOF on their request pipe and exit; PDEATHSIG does the rest
+
+
+def _reap(sock: socket.socket, pid: int) -> None:
+    _, status, usage = os.wait4(pid, 0)  # pid 1 exits last: the call's whole namespace is gone
+    sock.send(b"s" + json.dumps([status, usage.ru_utime + usage.ru_stime, usage.ru_minflt]).encode())
+
+
+def _prepare(
+    sock: socket.socket, plan: isolation.Plan, program: bytes | None, own_pidns: int, workdir_mb: int
+) -> int:
+    """Fork and confine the next call's process now, so the call itself only runs the code."""
+    request, out, err, res = (os.pipe() for _ in range(4))
+    if plan.pid_namespace:
+        # The next child becomes pid 1 of a fresh pid namespace. The kernel allows this only while
+        # our children's pid namespace is still our own, so point it back there first.
+        linux.setns(own_pidns, linux.CLONE_NEWPID)
+        linux.unshare(linux.CLONE_NEWPID)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _child(plan, program, workdir_mb, (request[0], out[1], err[1], res[1]))
+        finally:
+            os._exit(CONFINE_FAILED)
+    ours = (os.pidfd_open(pid), request[1], out[0], err[0], res[0])
+    try:
+        socket.send_fds(sock, [b"p%d" % pid], list(ours))
+    finally:
+        for fd in (*ours, request[0], out[1], err[1], res[1]):
+            os.close(fd)
+    return pid
+
+
+def _child(
+    plan: isolation.Plan, program: bytes | None, workdir_mb: int, fds: tuple[int, int, int, int]
+) -> None:
+    """In the forked child: wire fds, confine, wait for the call, apply its limits, run it. Never returns."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in fds]  # out of the way of 0-4, which we overwrite
+    try:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for target, fd in zip((REQUEST_FD, 1, 2, cell.RESULT_FD), high, strict=True):
+            os.dup2(fd, target)
+        os.closerange(REQUEST_FD + 1, 1 << 16)  # nothing of the fork server leaks into user code
+        address_space = _vm_bytes()
+        isolation.confine_call(plan, program, workdir_mb)
+        _reseed()  # each child reseeds after its own fork: no two calls share random state
+        cell.open_streams()
+    except BaseException as exc:  # report, never run user code half-confined
+        _fail(exc)
+    try:
+        req = framing.read_frame(REQUEST_FD)
+    except EOFError:
+        os._exit(0)  # the supervisor is shutting down
+    try:
+        os.close(REQUEST_FD)
+        stdin_fd = os.memfd_create("stdin")  # before the limits: stdin is not the code's file output
+        os.write(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
+        limits = call_limits(req)
+        isolation.apply_limits(
+            limits, address_space + limits.memory_mb * MiB, with_nproc=plan.uid is not None
+        )
+        os.write(cell.RESULT_FD, STARTED)
+    except BaseException as exc:
+        _fail(exc)
+    cell.run_cell(req["code"])
+
+
+def call_limits(req: dict) -> Limits:
+    """The call's limits as plain attributes: the pool validated them, and pydantic stays out of
+    the zygote's image (every byte of it is copied by each fork)."""
+    return cast("Limits", SimpleNamespace(**req["limits"]))
+
+
+def _fail(exc: BaseException) -> None:
+    try:
+        os.write(cell.RESULT_FD, json.dumps({"outcome": "confine_failed", "error": repr(exc)}).encode())
+    finally:
+        os._exit(CONFINE_FAILED)
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reseed() -> None:
+    import random
+
+    random.seed()
+    if "numpy.random" in sys.modules:  # loaded in the zygote: its state was copied by the fork
+        sys.modules["numpy.random"].seed()
