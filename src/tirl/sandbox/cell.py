@@ -65,9 +65,10 @@ def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression
     return tree, None
 
 
-def _report(outcome: str, **info: object) -> None:
-    with contextlib.suppress(OSError):  # the user closed fd 3: the zygote falls back to the exit status
-        os.write(RESULT_FD, json.dumps({"outcome": outcome, **info}).encode() + b"\n")
+def report(outcome: str, end: bytes = b"", **info: object) -> None:
+    """The outcome line on the result pipe (and, for a session, the end-of-cell marker)."""
+    with contextlib.suppress(OSError):  # the user closed fd 3: the sandbox falls back to the exit status
+        os.write(RESULT_FD, json.dumps({"outcome": outcome, **info}).encode() + b"\n" + end)
 
 
 def _flush() -> None:
@@ -98,9 +99,14 @@ def _describe(exc: BaseException) -> str:
     return text[:300]
 
 
+def reader(fd: int) -> io.TextIOWrapper:
+    """sys.stdin over `fd` (a session re-opens it per call, on that call's stdin)."""
+    return _stream(fd, mode="rb")
+
+
 def open_streams() -> None:
     """Point sys.stdin/stdout/stderr at fds 0-2 (done before the call arrives: off the critical path)."""
-    sys.stdin = _stream(0, mode="rb")
+    sys.stdin = reader(0)
     sys.stdout = _stream(1, _Stdout)
     sys.stderr = _stream(2)
     warnings.formatwarning = _format_warning
@@ -108,40 +114,49 @@ def open_streams() -> None:
 
 def run_cell(code: str) -> None:
     """Execute `code` as the confined process's program and exit; never returns."""
+    exit_code, result = execute(code, {"__name__": "__main__", "__builtins__": builtins})
+    report(**result)
+    os._exit(exit_code)
+
+
+def execute(code: str, namespace: dict, keep: bool = False) -> tuple[int, dict]:
+    """Run `code` in `namespace` like a notebook cell; returns (exit code, report for the sandbox).
+
+    Output is flushed before returning, so the report always follows the cell's output. `keep`:
+    the namespace outlives the cell (a session), so a MemoryError does not clear it.
+    """
     linecache.cache[CELL] = (len(code), None, code.splitlines(True), CELL)
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    exit_code = 0
+    if isinstance(sys.stdout, _Stdout):
+        sys.stdout.printed = False
     try:
         tree, last = _split_last_expression(ast.parse(code, CELL))
         exec(compile(tree, CELL, "exec"), namespace)
         if last is not None:
             value = eval(compile(last, CELL, "eval"), namespace)
-            if value is not None and not sys.stdout.printed:
+            if value is not None and not getattr(sys.stdout, "printed", True):
                 print(repr(value))
         _flush()
-        _report("ok")
+        return 0, {"outcome": "ok"}
     except SyntaxError as exc:
         print("".join(traceback.format_exception_only(type(exc), exc)), end="", file=sys.stderr)
-        exit_code = 1
         _flush()
-        _report("syntax_error", error=_describe(exc))
+        return 1, {"outcome": "syntax_error", "error": _describe(exc)}
     except SystemExit as exc:
         exit_code = _exit_code(exc)
         _flush()
-        _report("exit", exit_code=exit_code)
+        return exit_code, {"outcome": "exit", "exit_code": exit_code}
     except MemoryError:
-        namespace.clear()  # free what the cell held so reporting itself has memory
-        exit_code = 1
-        _report("memory_error", error="MemoryError")
+        if not keep:
+            namespace.clear()  # free what the cell held so reporting itself has memory
+        return 1, {"outcome": "memory_error", "error": "MemoryError"}
     except BaseException as exc:
         te = traceback.TracebackException.from_exception(exc)
         _trim(te)
         with contextlib.suppress(OSError, ValueError):
             print("".join(te.format()), end="", file=sys.stderr)
-        exit_code = 1
         _flush()
-        _report("error", error=_describe(exc), type=type(exc).__name__, network=_network_blocked(exc))
-    os._exit(exit_code)
+        return 1, {"outcome": "error", "error": _describe(exc), "type": type(exc).__name__,
+                   "network": _network_blocked(exc)}  # fmt: skip
 
 
 def _exit_code(exc: SystemExit) -> int:

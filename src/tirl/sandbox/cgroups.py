@@ -56,13 +56,13 @@ class SlotCgroup:
         named = (("memory", self.memory_dir), ("pids", self.pids_dir), ("cpu", self.cpu_dir))
         return [n for n, d in named if d]
 
-    def _dirs(self) -> list[str]:
+    def dirs(self) -> list[str]:
         return list(
             dict.fromkeys(d for d in (self.memory_dir, self.pids_dir, self.cpu_dir, self.cpuacct_dir) if d)
         )
 
     def _files(self) -> dict[str, tuple[str, int]]:
-        files = {f"procs:{d}": (f"{d}/cgroup.procs", os.O_WRONLY) for d in self._dirs()}
+        files = {f"procs:{d}": (f"{d}/cgroup.procs", os.O_WRONLY) for d in self.dirs()}
         if self.memory_dir:
             names = (
                 ("memory.max", "memory.events")
@@ -90,11 +90,16 @@ class SlotCgroup:
         self._write("memory_limit", str(memory_bytes))
         self._write("pids_max", str(max_procs))
 
-    def join(self) -> None:
-        """Move the calling process into the slot's groups (its future children are born there)."""
+    def join(self, pid: int | None = None) -> None:
+        """Move a process (default: the caller) into the groups; its future children are born there."""
         for key, fd in self._fds.items():
             if key.startswith("procs:"):
-                os.write(fd, str(os.getpid()).encode())
+                os.write(fd, str(pid or os.getpid()).encode())
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed for memory in this slot so far."""

@@ -19,6 +19,7 @@ import collections
 import fcntl
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -32,10 +33,11 @@ from tirl.sandbox.isolation import MiB
 if TYPE_CHECKING:
     from tirl.sandbox.limits import Limits
 
-FORK, NEXT = b"f", b"n"
+FORK, NEXT, SESSION = b"f", b"n", b"s"  # SESSION: the prepared child was handed off as a session
 REQUEST_FD = cell.RESULT_FD + 1  # the prepared child reads its call from here
 CONFINE_FAILED = 121  # exit code of a child whose set-up failed (only meaningful before STARTED)
 STARTED = b"\x00started\n"  # first bytes on the result pipe once set-up is done and user code starts
+SESSION_DONE = b"\x00done\n"  # a session's runner wrote this cell's report: its output is complete
 
 
 @dataclass
@@ -49,8 +51,11 @@ class Prepared:
     stderr: int
     result: int
 
+    def fds(self) -> tuple[int, int, int, int, int]:
+        return self.pidfd, self.request, self.stdout, self.stderr, self.result
+
     def close(self) -> None:
-        for fd in (self.pidfd, self.request, self.stdout, self.stderr, self.result):
+        for fd in self.fds():
             if fd >= 0:
                 os.close(fd)
         self.pidfd = self.request = self.stdout = self.stderr = self.result = -1
@@ -84,7 +89,14 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
     plan.cgroup.join()
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     running: collections.deque[int] = collections.deque()
+    sessions: dict[int, int] = {}  # pidfd -> pid of children living on as sessions (reaped when they end)
     while True:
+        ready, _, _ = select.select([sock, *sessions], [], [])
+        for pidfd in set(ready) & set(sessions):
+            os.waitpid(sessions.pop(pidfd), 0)
+            os.close(pidfd)
+        if sock not in ready:
+            continue
         try:
             command = sock.recv(1)
         except OSError:
@@ -93,6 +105,9 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
             break
         if command == NEXT and running:
             _reap(sock, running.popleft())
+        elif command == SESSION and running:
+            pid = running.pop()
+            sessions[os.pidfd_open(pid)] = pid
         running.append(_prepare(sock, plan, program, own_pidns, workdir_mb))
     os._exit(0)  # prepared children see EOF on their request pipe and exit; PDEATHSIG does the rest
 
@@ -147,13 +162,11 @@ def _child(
         req = framing.read_frame(REQUEST_FD)
     except EOFError:
         os._exit(0)  # the supervisor is shutting down
+    session = bool(req.get("session"))
     try:
-        os.close(REQUEST_FD)
-        stdin_fd = os.memfd_create("stdin")  # before the limits: stdin is not the code's file output
-        os.write(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
-        os.lseek(stdin_fd, 0, os.SEEK_SET)
-        os.dup2(stdin_fd, 0)
-        os.close(stdin_fd)
+        if not session:
+            os.close(REQUEST_FD)
+        _set_stdin(req)  # before the limits: stdin is not the code's file output
         limits = call_limits(req)
         isolation.apply_limits(
             limits, address_space + limits.memory_mb * MiB, with_nproc=plan.uid is not None
@@ -161,7 +174,35 @@ def _child(
         os.write(cell.RESULT_FD, STARTED)
     except BaseException as exc:
         _fail(exc)
+    if session:
+        _serve_session(req)
     cell.run_cell(req["code"])
+
+
+def _set_stdin(req: dict) -> None:
+    stdin_fd = os.memfd_create("stdin")
+    os.write(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
+    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    os.dup2(stdin_fd, 0)
+    os.close(stdin_fd)
+
+
+def _serve_session(req: dict) -> None:
+    """A persistent interpreter: one namespace, one cell per request, SESSION_DONE after each. Never returns."""
+    import builtins
+
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    while True:
+        _, report = cell.execute(req.get("code", ""), namespace, keep=True)
+        cell.report(**report, end=SESSION_DONE)
+        try:
+            req = framing.read_frame(REQUEST_FD)
+            _set_stdin(req)
+            sys.stdin = cell.reader(0)
+        except EOFError:
+            os._exit(0)  # closed
+        except BaseException:
+            os._exit(CONFINE_FAILED)
 
 
 def call_limits(req: dict) -> Limits:

@@ -14,14 +14,16 @@ import asyncio
 import contextlib
 import itertools
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tirl.sandbox import cgroups, framing, imports, isolation, netns, seccomp_filter, zygote
-from tirl.sandbox.limits import DEFAULT_LIMITS, SERVER_MAXIMA, Limits
+from tirl.sandbox import cgroups, forkserver, framing, imports, isolation, netns, seccomp_filter, zygote
+from tirl.sandbox.limits import DEFAULT_LIMITS, SERVER_MAXIMA, Limits, MiB
 from tirl.sandbox.result import ExecResult, Status
+from tirl.sandbox.session import Session
 
 GRACE_S = 10.0  # beyond the call's own deadline, how long a silent zygote is trusted
 START_TIMEOUT_S = 180.0
@@ -40,6 +42,7 @@ class _Slot:
     # A stdlib-only zygote with its own uid and cgroup (so per-call limits stay exact), for cells
     # that import nothing heavy: a small image forks and exits several times faster (imports.py).
     light: _Slot | None = None
+    handoff: socket.socket | None = None  # our end of the socket the zygote hands sessions over
 
     def lanes(self) -> list[_Slot]:
         return [self] if self.light is None else [self, self.light]
@@ -74,6 +77,10 @@ def _uid_base(pool_index: int) -> int:
     Unused by any account (>= 2**20), below 2**30, room for 512 zygotes (256 slots) per pool.
     """
     return 2**20 + ((os.getpid() % 2**15) * POOLS_PER_PROCESS + pool_index) * UIDS_PER_POOL
+
+
+class SessionError(RuntimeError):
+    """A session could not be opened (cap reached, pool closed or overloaded)."""
 
 
 def _alive(lane: _Slot) -> bool:
@@ -124,6 +131,9 @@ class Sandbox:
         warmup: list[str] | None = None,
         max_calls: int = 5000,
         max_growth_mb: int = 200,
+        max_sessions: int = 64,
+        session_idle_s: float = 600.0,
+        session_cpu_s: float = 3600.0,
     ) -> None:
         self.slots = slots or os.cpu_count() or 1
         self.maxima = Limits.model_validate(maxima or SERVER_MAXIMA)
@@ -154,6 +164,12 @@ class Sandbox:
         self._missing: list[str] = []
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self.max_sessions, self.session_idle_s, self.session_cpu_s = (
+            max_sessions,
+            session_idle_s,
+            session_cpu_s,
+        )
+        self._sessions: dict[str, Session] = {}
 
     # ---- lifecycle ----
 
@@ -229,13 +245,21 @@ class Sandbox:
             self._idle.put_nowait(s)
 
     async def _spawn(self, slot: _Slot) -> None:
+        if slot.handoff is not None:
+            slot.handoff.close()
+        slot.handoff, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        handoff_fd = theirs.fileno()
         pass_fds = (slot.plan.netns_fd,) if slot.plan.netns_fd is not None else ()  # kept open for respawns
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tirl.sandbox.zygote", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env=_zygote_env(), pass_fds=pass_fds, cwd="/",
-        )  # fmt: skip
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tirl.sandbox.zygote", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, env=_zygote_env(), pass_fds=(*pass_fds, handoff_fd), cwd="/",
+            )  # fmt: skip
+        finally:
+            theirs.close()
         slot.proc, slot.calls = proc, 0
-        proc.stdin.write(framing.encode({"plan": slot.plan.to_dict(), **slot.config}))
+        config = {"plan": slot.plan.to_dict(), **slot.config, "handoff_fd": handoff_fd}
+        proc.stdin.write(framing.encode(config))
         try:
             ready = await asyncio.wait_for(framing.read_frame_async(proc.stdout), START_TIMEOUT_S)
         except (asyncio.IncompleteReadError, TimeoutError) as exc:
@@ -251,6 +275,8 @@ class Sandbox:
         self._closed = True
         for t in list(self._tasks):
             t.cancel()
+        for session in list(self._sessions.values()):
+            await self._close_session(session, "the sandbox pool was closed")
         lanes = [lane for s in self._slots for lane in s.lanes()]
         for s in lanes:
             if s.proc is not None and s.proc.returncode is None:
@@ -263,6 +289,11 @@ class Sandbox:
                     s.proc.kill()
                     await s.proc.wait()
         cgroups.remove_slot_cgroups(self._cgroups)
+        for s in self._slots:
+            for lane in s.lanes():
+                if lane.handoff is not None:
+                    lane.handoff.close()
+                    lane.handoff = None
         for fd in self._netns_fds:
             os.close(fd)
         self._netns_fds = []
@@ -289,13 +320,9 @@ class Sandbox:
             return ExecResult(Status.SANDBOX_ERROR, message="the sandbox pool is closed")
         if self._waiting >= self.max_queue:
             return ExecResult(Status.QUEUE_TIMEOUT, message=f"queue full ({self.max_queue} calls waiting)")
-        self._waiting += 1
-        try:
-            slot = await asyncio.wait_for(self._idle.get(), self.queue_timeout_s)
-        except TimeoutError:
+        slot = await self._acquire()
+        if slot is None:
             return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {self.queue_timeout_s:g} s")
-        finally:
-            self._waiting -= 1
         queue_ms = (time.monotonic() - queued) * 1000
         self._busy += 1
         healthy, lane = False, slot.lane_for(code)
@@ -309,6 +336,124 @@ class Sandbox:
                 self._respawn_later(slot, lane)
         result.extra["queue_ms"] = round(queue_ms, 2)
         return result
+
+    async def _acquire(self) -> _Slot | None:
+        """A free slot, or None after queue_timeout_s."""
+        self._waiting += 1
+        try:
+            return await asyncio.wait_for(self._idle.get(), self.queue_timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            self._waiting -= 1
+
+    # ---- persistent sessions ----
+
+    async def open_session(self, limits: Limits | dict | None = None) -> Session:
+        """A live interpreter that keeps its state across `session.run` calls (close it when done).
+
+        Raises SessionError when the pool is closed, at its cap of live sessions, or busy.
+        """
+        if self._closed:
+            raise SessionError("the sandbox pool is closed")
+        if len(self._sessions) >= self.max_sessions:
+            raise SessionError(
+                f"{self.max_sessions} sessions are live (the cap): close some, or wait for idle ones to expire"
+            )
+        session_limits = self.call_limits(None, limits)
+        slot = await self._acquire()
+        if slot is None:
+            raise SessionError(f"no free slot within {self.queue_timeout_s:g} s to start a session")
+        healthy = False
+        try:
+            child, healthy = await self._hand_off(slot)
+        finally:
+            if healthy:
+                self._idle.put_nowait(slot)
+            else:
+                self._respawn_later(slot, slot)
+        if child is None:
+            raise SessionError("sandbox error: the slot failed to hand over a session")
+        group = self._session_cgroup(child.pid, session_limits)
+        session = Session(session_limits, child, group)
+        self._sessions[session.id] = session
+        ready = await session.start(session_limits.with_overrides(timeout_s=self.session_cpu_s))
+        if not session.alive:
+            await self._close_session(session, "it failed to start")
+            raise SessionError(ready.message)
+        self._reap_idle_sessions_later()
+        return session
+
+    async def _hand_off(self, slot: _Slot) -> tuple[forkserver.Prepared | None, bool]:
+        proc = slot.proc
+        try:
+            proc.stdin.write(framing.encode({"session": True}))
+            reply = await asyncio.wait_for(framing.read_frame_async(proc.stdout), GRACE_S)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            return None, False
+        if not reply.get("session"):
+            return None, False
+        return forkserver.receive(slot.handoff), not reply.get("recycle")
+
+    def _session_cgroup(self, pid: int, limits: Limits) -> cgroups.SlotCgroup:
+        """The session's own cgroup (memory, processes, one CPU): its memory is never a slot's."""
+        if self._mode != "root":
+            return cgroups.SlotCgroup()
+        groups, _ = cgroups.create_slot_cgroups(cgroups.service_name(), 1)
+        group = groups[0]
+        group.open()
+        group.set_limits(limits.memory_mb * MiB, limits.max_procs)
+        group.join(pid)
+        return group
+
+    def session(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    async def run_in_session(
+        self, session: Session, code: str, stdin: str = "", timeout: float | None = None
+    ) -> ExecResult:
+        """One cell in `session`, holding a slot while it runs (sessions share the pool's CPUs)."""
+        timeout = self.call_limits(timeout).timeout_s
+        slot = await self._acquire()
+        if slot is None:
+            return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {self.queue_timeout_s:g} s")
+        self._busy += 1
+        try:
+            return await session.run(code, stdin, timeout)
+        finally:
+            self._busy -= 1
+            self._idle.put_nowait(slot)
+
+    async def close_session(self, session: Session | str) -> bool:
+        """Close a session (by object or id); False if it was not live."""
+        s = self._sessions.get(session if isinstance(session, str) else session.id)
+        if s is None:
+            return False
+        await self._close_session(s, "it was closed")
+        return True
+
+    async def _close_session(self, session: Session, reason: str) -> None:
+        self._sessions.pop(session.id, None)
+        await session.close(reason)
+        session.cgroup.close()
+
+    def _reap_idle_sessions_later(self) -> None:
+        if any(t.get_name() == "session-reaper" for t in self._tasks):
+            return
+
+        async def reap() -> None:
+            while self._sessions and not self._closed:
+                await asyncio.sleep(min(30.0, self.session_idle_s / 4))
+                now = time.monotonic()
+                for s in list(self._sessions.values()):
+                    if not s.alive or now - s.last_used > self.session_idle_s:
+                        await self._close_session(s, f"it was idle for more than {self.session_idle_s:g} s")
+
+        task = asyncio.create_task(reap(), name="session-reaper")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _call(self, slot: _Slot, code: str, stdin: str, limits: Limits) -> tuple[ExecResult, bool]:
         proc = slot.proc

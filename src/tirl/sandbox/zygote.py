@@ -278,7 +278,9 @@ def main() -> None:
     gc.freeze()  # children's collections never touch (and copy) the zygote's pages
     linux.collapse_to_huge_pages()  # fewer page-table entries: each fork copies (and each exit frees) less
     workdir_mb = config.get("workdir_mb", 64)
-    server = _start_fork_server(plan, program, workdir_mb, (ctl_in, ctl_out))
+    handoff = socket.socket(fileno=config["handoff_fd"]) if "handoff_fd" in config else None
+    keep = (ctl_in, ctl_out) if handoff is None else (ctl_in, ctl_out, handoff.fileno())
+    server = _start_fork_server(plan, program, workdir_mb, keep)
     del program
     rss0 = _rss_bytes()
     framing.write_frame(ctl_out, {"ready": True, "pid": os.getpid(), "notes": notes, "rss": rss0})
@@ -291,6 +293,17 @@ def main() -> None:
         except EOFError:
             break
         recycle = calls >= max_calls
+        if req.get("session"):  # hand the prepared child to the pool as a session
+            try:
+                socket.send_fds(handoff, [b"p%d" % child.pid], list(child.fds()))
+                child.close()
+                server.send(forkserver.SESSION)
+                child = forkserver.receive(server)
+                framing.write_frame(ctl_out, {"session": True, "recycle": False})
+                continue
+            except Exception as exc:
+                framing.write_frame(ctl_out, {"session": False, "error": repr(exc), "recycle": True})
+                break
         try:
             result = serve_call(plan, child, req, server)
             child = forkserver.receive(server)

@@ -1,0 +1,244 @@
+"""A persistent Python session: one live, confined interpreter that keeps its state across calls.
+
+The paper's release replays every earlier cell of a trajectory on each call (cost quadratic in the
+number of calls); a session instead keeps one interpreter alive, so variables, imports and
+functions stay defined. Its process is prepared exactly like a stateless call's (fork server,
+namespaces, allowlisted root, uid, seccomp, rlimits) and then handed to the pool, which owns it:
+it gets its own cgroup (memory, processes, one CPU), the pool writes each cell to it and reads
+its output until the runner's end-of-cell marker. A cell that times out or exceeds the output
+cap kills the session (its state cannot be trusted half-way through a cell); one killed for
+memory is lost too. Every later call then says clearly that the session is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+
+from tirl.sandbox import cgroups, forkserver, framing
+from tirl.sandbox.capture import CHUNK, StreamCapture
+from tirl.sandbox.limits import Limits, MiB
+from tirl.sandbox.result import ExecResult, Status, human_bytes
+
+
+@dataclass
+class _Call:
+    stdout: StreamCapture
+    stderr: StreamCapture
+    result: StreamCapture
+    done: asyncio.Future
+    killed: str | None = None
+
+
+@dataclass
+class Session:
+    """Handles on one live session process (created by `Sandbox.open_session`)."""
+
+    limits: Limits
+    child: forkserver.Prepared
+    cgroup: cgroups.SlotCgroup
+    id: str = field(default_factory=lambda: secrets.token_urlsafe(12))
+    last_used: float = field(default_factory=time.monotonic)
+    lost: str | None = None  # why the session is gone, once it is
+    calls: int = 0
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None
+
+    async def start(self, process_limits: Limits) -> ExecResult:
+        """Send the session's set-up request and wait until its interpreter is ready.
+
+        `process_limits` are the rlimits of the whole session (its CPU-time budget is for all its calls).
+        """
+        for fd in (self.child.stdout, self.child.stderr, self.child.result):
+            os.set_blocking(fd, False)
+        req = {"session": True, "code": "", "stdin": "", "limits": process_limits.model_dump()}
+        return await self._exchange(req, self.limits.timeout_s + 10, first=True)
+
+    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
+        """Run one cell in the session's namespace."""
+        async with self._lock:
+            if self.lost is not None:
+                return _gone(self.lost)
+            self.last_used = time.monotonic()
+            result = await self._exchange({"code": code, "stdin": stdin}, timeout or self.limits.timeout_s)
+            self.calls += 1
+            self.last_used = time.monotonic()
+            return result
+
+    async def _exchange(self, req: dict, timeout: float, first: bool = False) -> ExecResult:
+        loop = asyncio.get_running_loop()
+        keep = self.limits.keep_bytes
+        call = _Call(StreamCapture(keep), StreamCapture(keep), StreamCapture(CHUNK), loop.create_future())
+        oom_before = self.cgroup.oom_kills()
+        start = time.monotonic()
+        self._watch(loop, call)
+        try:
+            data = framing.encode(req)
+            await loop.run_in_executor(None, _write_all, self.child.request, data)
+            await asyncio.wait_for(asyncio.shield(call.done), timeout)
+        except TimeoutError:
+            call.killed = "timeout"
+        except OSError:  # the process is gone: the pipe broke
+            pass
+        finally:
+            self._unwatch(loop)
+        wall_ms = (time.monotonic() - start) * 1000
+        ended = call.done.done() and call.done.result() == "exited"
+        if call.killed or ended:
+            self._kill()
+            await self._wait_exit()
+        _drain(self.child.stdout, call.stdout)
+        _drain(self.child.stderr, call.stderr)
+        oom = self.cgroup.oom_kills() > oom_before
+        return self._classify(call, wall_ms, oom, ended, first, timeout)
+
+    def _classify(
+        self, call: _Call, wall_ms: float, oom: bool, ended: bool, first: bool, timeout: float
+    ) -> ExecResult:
+        from tirl.sandbox.zygote import _OUTCOMES, _last_report  # the one reading of runner reports
+
+        r = ExecResult(Status.OK, stdout=call.stdout.text(), stderr=call.stderr.text(), wall_ms=round(wall_ms, 2),
+                       stdout_truncated_bytes=call.stdout.dropped, stderr_truncated_bytes=call.stderr.dropped)  # fmt: skip
+        r.extra.update(stdout_bytes=call.stdout.total, stderr_bytes=call.stderr.total, keep_bytes=self.limits.keep_bytes,
+                       session=self.id)  # fmt: skip
+        raw = bytes(call.result.head + call.result.tail)
+        if first:
+            raw = raw.removeprefix(forkserver.STARTED) if raw.startswith(forkserver.STARTED) else b""
+            if not raw.endswith(forkserver.SESSION_DONE):
+                self.lost = "it failed to start"
+                return ExecResult(Status.SANDBOX_ERROR, message="sandbox error: the session failed to start")
+        info = _last_report(raw, _OUTCOMES)
+        memory = f"memory limit is {human_bytes(self.limits.memory_mb * MiB)}"
+        if call.killed == "timeout":
+            self.lost = f"its cell timed out after {timeout:.1f} s"
+            r.status, r.message = Status.TIMEOUT, f"Timed out after {timeout:.1f} s; the session was lost"
+        elif call.killed == "output":
+            self.lost = "its cell exceeded the output limit"
+            r.status = Status.OUTPUT_LIMIT
+            r.message = (
+                f"output limit exceeded (cap {human_bytes(self.limits.output_bytes)}); the session was lost"
+            )
+        elif ended:
+            self.lost = "it was killed for exceeding its memory limit" if oom else "its process exited"
+            r.status = Status.MEMORY_LIMIT if oom else Status.RUNTIME_ERROR
+            r.message = (
+                f"MemoryError: {memory}; the session was lost" if oom else "the session's process exited"
+            )
+        elif info.get("outcome") == "memory_error":
+            r.status, r.message = Status.MEMORY_LIMIT, f"MemoryError: {memory}"
+        elif info.get("outcome") == "syntax_error":
+            r.status, r.message = Status.SYNTAX_ERROR, info.get("error", "SyntaxError")
+        elif info.get("outcome") == "error":
+            r.status, r.message = Status.RUNTIME_ERROR, info.get("error", "error")
+            if info.get("network") is True:
+                r.extra["network_blocked"] = True
+        elif info.get("outcome") == "exit" and info.get("exit_code"):
+            r.exit_code = info["exit_code"] if isinstance(info["exit_code"], int) else 1
+            r.status, r.message = Status.RUNTIME_ERROR, f"exited with code {r.exit_code}"
+        if self.lost is not None and not first:
+            r.message += f" ({self.lost}: its variables are gone; open a new session)"
+        return r
+
+    # ---- I/O on the session's pipes (non-blocking, in the event loop) ----
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, call: _Call) -> None:
+        def reader(fd: int, sink: StreamCapture) -> None:
+            try:
+                data = os.read(fd, CHUNK)
+            except BlockingIOError:
+                return
+            if not data:
+                loop.remove_reader(fd)
+                return
+            sink.feed(data)
+            if sink is call.result and forkserver.SESSION_DONE in bytes(
+                call.result.tail[-64:] or call.result.head[-64:]
+            ):
+                _settle(call.done, "done")
+            if call.stdout.total + call.stderr.total > self.limits.output_bytes and not call.done.done():
+                call.killed = "output"
+                _settle(call.done, "output")
+
+        for fd, sink in (
+            (self.child.stdout, call.stdout),
+            (self.child.stderr, call.stderr),
+            (self.child.result, call.result),
+        ):
+            loop.add_reader(fd, reader, fd, sink)
+        loop.add_reader(self.child.pidfd, _settle, call.done, "exited")
+
+    def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        for fd in (self.child.stdout, self.child.stderr, self.child.result, self.child.pidfd):
+            if fd >= 0:
+                loop.remove_reader(fd)
+
+    def _kill(self) -> None:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(self.child.pidfd, signal.SIGKILL)  # pid 1: its whole namespace goes
+
+    async def _wait_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(self.child.pidfd, _settle, exited, "exited")
+        try:
+            await asyncio.wait_for(exited, 30)
+        except TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(self.child.pidfd)
+
+    async def close(self, reason: str = "it was closed") -> None:
+        """End the session (EOF on its request pipe, then SIGKILL) and free everything it held."""
+        async with self._lock:
+            if self.child.pidfd < 0:
+                return
+            if self.lost is None:
+                self.lost = reason
+            self._kill()
+            await self._wait_exit()
+            self.child.close()
+            # the fork server reaps the process; its cgroup can go once it is empty
+            for _ in range(100):
+                cgroups.remove_slot_cgroups([self.cgroup])
+                if not any(os.path.isdir(d) for d in self.cgroup.dirs()):
+                    break
+                await asyncio.sleep(0.01)
+
+
+def _settle(future: asyncio.Future, value: str) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _drain(fd: int, sink: StreamCapture) -> None:
+    """What the cell wrote before its end marker and is still in the pipe."""
+    while True:
+        try:
+            data = os.read(fd, CHUNK)
+        except (BlockingIOError, OSError):
+            return
+        if not data:
+            return
+        sink.feed(data)
+
+
+def _gone(why: str) -> ExecResult:
+    return ExecResult(
+        Status.RUNTIME_ERROR,
+        message=f"this Python session is gone ({why}): its variables are lost; open a new session",
+        extra={"session_lost": True},
+    )
