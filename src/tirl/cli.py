@@ -33,11 +33,13 @@ def sandbox_serve(
     max_memory_mb: int = typer.Option(
         0, help="Largest memory limit a request may ask for, MiB (0 = RAM / slots, at most 16384)."
     ),
+    max_sessions: int = typer.Option(64, help="Most live persistent Python sessions at once."),
+    session_idle: float = typer.Option(600.0, help="Close a session idle this long, seconds."),
     allow_host: list[str] = typer.Option(
         [], "--allow-host", help="Host header names accepted without a token besides loopback; repeat."
     ),
 ) -> None:
-    """Serve POST /run, /run/batch, /run_code (SandboxFusion), GET /health, /metrics."""
+    """Serve POST /run, /run/batch, /run_code (SandboxFusion), /sessions, GET /health, /metrics."""
     import os
 
     from tirl.sandbox.limits import SERVER_MAXIMA, Limits, fitting_memory_mb
@@ -55,6 +57,8 @@ def sandbox_serve(
         "limits": limits,
         "queue_timeout_s": queue_timeout,
         "max_queue": max_queue,
+        "max_sessions": max_sessions,
+        "session_idle_s": session_idle,
         "maxima": SERVER_MAXIMA.with_overrides(
             timeout_s=max_timeout, memory_mb=max_memory_mb or fitting_memory_mb(slots or os.cpu_count() or 1)
         ),

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -81,20 +83,64 @@ async def process_per_call(code: str, timeout: float = 60.0) -> ExecResult:
     )
 
 
-async def service_rss(url: str, token: str) -> float:
-    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
-        return (await http.get(f"{url}/health")).json()["service_rss_mb"]
+async def service_health(url: str) -> dict:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{url}/health")).json()
+
+
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """(CPU seconds of the process itself, of its reaped children) from /proc/<pid>/stat."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / hz, (int(fields[13]) + int(fields[14])) / hz
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [
+            int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()
+        ]
+    except OSError:
+        return []
+
+
+def cpu_by_part(service_pid: int) -> dict[str, float]:
+    """CPU seconds so far of each part of the service: where a call's milliseconds go.
+
+    service: HTTP + pool (asyncio); supervisors: moving bytes, watching, classifying; fork servers:
+    forking and reaping; calls: every call process (confinement, the code, exit), counted when reaped.
+    """
+    zygotes = [z for z in _children(service_pid) if b"tirl.sandbox.zygote" in _cmdline(z)]
+    servers = [f for z in zygotes for f in _children(z)]
+    parts = {"service (HTTP + pool)": _cpu_s(service_pid)[0], "supervisors": sum(_cpu_s(z)[0] for z in zygotes),
+             "fork servers": sum(_cpu_s(f)[0] for f in servers), "call processes": sum(_cpu_s(f)[1] for f in servers)}  # fmt: skip
+    parts["client (this process)"] = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+    return parts
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 async def run_bench(calls: int, levels: list[int], slots: int | None, rss_calls: int) -> str:
     cfg = SandboxConfig(mode="local", slots=slots, timeout_s=30, concurrency=max(levels) * 2)
-    rows = []
+    rows, split = [], []
     async with open_executor(cfg) as client:
         await client.run_batch([{"code": c} for c in WORKLOADS.values()] * 4)  # first connections, page cache
+        service_pid = (await service_health(client.endpoints[0]))["service_pid"]
         for name, code in WORKLOADS.items():
             base_calls = max(16, calls // (3 if name == "trivial print" else 8))
             for c in levels:
+                before = cpu_by_part(service_pid)
                 ours = await measure(client.run, code, calls, c)
+                after = cpu_by_part(service_pid)
+                split.append((name, c, {k: (after[k] - before[k]) * 1000 / calls for k in after}))
                 theirs = await measure(process_per_call, code, base_calls, c)
                 rows.append((name, c, ours, theirs))
                 print(
@@ -102,13 +148,26 @@ async def run_bench(calls: int, levels: list[int], slots: int | None, rss_calls:
                 )
         rss = ""
         if rss_calls:
-            url, token = client.endpoints[0], client.token
-            before = await service_rss(url, token)
+            url = client.endpoints[0]
+            before = (await service_health(url))["service_rss_mb"]
             m = await measure(client.run, WORKLOADS["trivial print"], rss_calls, max(levels))
-            after = await service_rss(url, token)
+            after = (await service_health(url))["service_rss_mb"]
             rss = (f"\nService RSS: {before:.1f} MiB before, {after:.1f} MiB after {rss_calls} more calls "
                    f"({m.rate:.0f} calls/s, {m.failures} failed).")  # fmt: skip
-    return table(rows) + rss
+    return table(rows) + "\n\nCPU per call, by part (ms):\n" + cpu_table(split) + rss
+
+
+def cpu_table(split: list[tuple[str, int, dict[str, float]]]) -> str:
+    parts = list(split[0][2]) if split else []
+    out = [
+        "| workload | concurrency | " + " | ".join(parts) + " | total |",
+        "|---|---:|" + "---:|" * (len(parts) + 1),
+    ]
+    for name, c, ms in split:
+        out.append(
+            f"| {name} | {c} | " + " | ".join(f"{ms[p]:.2f}" for p in parts) + f" | {sum(ms.values()):.2f} |"
+        )
+    return "\n".join(out)
 
 
 def table(rows: list[tuple[str, int, Measured, Measured]]) -> str:

@@ -10,6 +10,7 @@ infrastructure failures are retried with back-off. A call that still cannot run 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class SandboxClient:
         self._capacity = asyncio.Condition()
         self._batcher: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._sessions: set[RemoteSession] = set()
 
     @property
     def endpoints(self) -> list[str]:
@@ -91,6 +93,8 @@ class SandboxClient:
         for t in [self._batcher, *self._tasks]:
             if t is not None:
                 t.cancel()
+        for session in list(self._sessions):  # nothing of ours stays alive on the servers
+            await session.aclose()
         while not self._queue.empty():  # nobody will send these any more: say so instead of hanging
             p = self._queue.get_nowait()
             if not p.future.done():
@@ -116,6 +120,24 @@ class SandboxClient:
     async def run_batch(self, calls: list[dict]) -> list[ExecResult]:
         """Many calls ({code, stdin?, timeout?, limits?}); results in order."""
         return list(await asyncio.gather(*(self.run(**c) for c in calls)))
+
+    async def open_session(self, limits: dict | None = None, timeout: float | None = None) -> RemoteSession:
+        """A persistent Python session on the endpoint with the most free capacity (close it when done)."""
+        now = time.monotonic()
+        ep = max([e for e in self._endpoints if e.up(now)] or self._endpoints, key=lambda e: e.free)
+        body: dict = {}
+        if limits is not None or self.default_limits is not None:
+            body["limits"] = limits if limits is not None else self.default_limits
+        if (t := timeout if timeout is not None else self.default_timeout) is not None:
+            body["timeout"] = t
+        resp = await self._http.post(f"{ep.url}/sessions", json=body, timeout=QUEUE_ALLOWANCE_S)
+        if resp.status_code != 200:
+            raise RuntimeError(
+                f"{ep.url} could not open a session: HTTP {resp.status_code} {resp.text[:300]}"
+            )
+        session = RemoteSession(self, ep.url, resp.json()["session"])
+        self._sessions.add(session)
+        return session
 
     async def health(self) -> list[dict]:
         """Each endpoint's /health answer (or the error), plus this client's view of it."""
@@ -225,3 +247,42 @@ class _Infra(Exception):
     def __init__(self, status: Status, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+
+class RemoteSession:
+    """A persistent Python session on one service: `await s.run(code)` keeps variables between calls."""
+
+    def __init__(self, client: SandboxClient, url: str, session_id: str) -> None:
+        self._client, self.url, self.id = client, url, session_id
+
+    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
+        payload: dict = {"code": code, "stdin": stdin}
+        if timeout is not None:
+            payload["timeout"] = timeout
+        wait = (timeout or 30.0) + QUEUE_ALLOWANCE_S
+        try:
+            resp = await self._client._http.post(
+                f"{self.url}/sessions/{self.id}/run", json=payload, timeout=wait
+            )
+        except httpx.HTTPError as exc:
+            return ExecResult(Status.SANDBOX_ERROR, message=f"{self.url}: {exc!r}")
+        if resp.status_code == 404:  # closed, expired or its server restarted: the state is gone
+            return ExecResult(Status.RUNTIME_ERROR, message=resp.json().get("error", "session gone"),
+                              extra={"session_lost": True})  # fmt: skip
+        if resp.status_code not in (200, 429):
+            return ExecResult(
+                Status.SANDBOX_ERROR,
+                message=f"{self.url} answered HTTP {resp.status_code}: {resp.text[:300]}",
+            )
+        return ExecResult.from_dict(resp.json())
+
+    async def aclose(self) -> None:
+        self._client._sessions.discard(self)
+        with contextlib.suppress(httpx.HTTPError):  # else the server's idle expiry ends it
+            await self._client._http.delete(f"{self.url}/sessions/{self.id}", timeout=30)
+
+    async def __aenter__(self) -> RemoteSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -375,7 +375,7 @@ class Sandbox:
         if child is None:
             raise SessionError("sandbox error: the slot failed to hand over a session")
         group = self._session_cgroup(child.pid, session_limits)
-        session = Session(session_limits, child, group)
+        session = Session(session_limits, child, group, owner=self)
         self._sessions[session.id] = session
         ready = await session.start(session_limits.with_overrides(timeout_s=self.session_cpu_s))
         if not session.alive:
@@ -421,7 +421,7 @@ class Sandbox:
             return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {self.queue_timeout_s:g} s")
         self._busy += 1
         try:
-            return await session.run(code, stdin, timeout)
+            return await session.run_cell(code, stdin, timeout)
         finally:
             self._busy -= 1
             self._idle.put_nowait(slot)

@@ -1,6 +1,7 @@
 """`tirl sandbox serve`: the sandbox pool behind HTTP (FastAPI + uvicorn).
 
 POST /run (one call), POST /run/batch (many, results in order), POST /run_code (SandboxFusion),
+POST /sessions, POST /sessions/{id}/run, DELETE /sessions/{id} (persistent Python sessions),
 GET /health (no token needed: it shows load, limits and active isolation, nothing a caller could
 abuse), GET /metrics (Prometheus). Overload answers 429 / `queue_timeout` quickly.
 
@@ -29,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tirl.sandbox.fusion import PYTHON_NAMES, RunCodeRequest, to_fusion
 from tirl.sandbox.limits import MiB, host_memory_bytes
 from tirl.sandbox.metrics import ServiceMetrics
-from tirl.sandbox.pool import Sandbox
+from tirl.sandbox.pool import Sandbox, SessionError
 from tirl.sandbox.result import ExecResult, Status
+from tirl.sandbox.session import Session
 
 MAX_BODY_BYTES = 64 * MiB
 MAX_BATCH = 4096
@@ -63,6 +65,13 @@ class RunRequest(BaseModel):
     timeout: float | None = Field(None, gt=0, description="seconds; clamped to the server maximum")
     language: str = "python"
     limits: LimitsOverride | None = None
+
+
+class SessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    limits: LimitsOverride | None = None
+    timeout: float | None = Field(None, gt=0, description="default per-cell time limit, seconds")
 
 
 class BatchRequest(BaseModel):
@@ -267,6 +276,47 @@ def create_app(
         call = RunRequest(code=req.code, stdin=req.stdin or "", timeout=req.run_timeout, limits=limits)
         _check_fits(sandbox, [call])
         return to_fusion(await run_one(call))
+
+    @app.post("/sessions")
+    async def open_session(request: Request) -> dict:
+        body = await request.body()
+        req = await _parse(request, SessionRequest) if body.strip() else SessionRequest()
+        limits = req.limits.model_dump(exclude_none=True) if req.limits else {}
+        if req.timeout is not None:
+            limits["timeout_s"] = req.timeout
+        try:
+            session = await sandbox.open_session(limits or None)
+        except SessionError as exc:
+            raise HTTPException(429, str(exc)) from None
+        return {"session": session.id, "limits": session.limits.model_dump()}
+
+    def _live(session_id: str) -> Session:
+        session = sandbox.session(session_id)
+        if session is None:
+            raise HTTPException(
+                404,
+                f"no live session {session_id!r} (closed, expired after being idle, or never opened): open a new one",
+            )
+        return session
+
+    @app.post("/sessions/{session_id}/run")
+    async def run_in_session(session_id: str, request: Request) -> JSONResponse:
+        session = _live(session_id)
+        req = await _parse(request, RunRequest)
+        _check_language(req.language)
+        if req.limits is not None:
+            raise HTTPException(422, "a session's limits are set when it is opened (POST /sessions)")
+        _check_fits(sandbox, [req])
+        start = time.monotonic()
+        result = await sandbox.run_in_session(session, req.code, req.stdin, req.timeout)
+        metrics.observe(result, time.monotonic() - start)
+        return JSONResponse(
+            result.to_dict(), status_code=429 if result.status == Status.QUEUE_TIMEOUT else 200
+        )
+
+    @app.delete("/sessions/{session_id}")
+    async def close_session(session_id: str) -> dict:
+        return {"closed": await sandbox.close_session(session_id)}
 
     @app.get("/health")
     async def health() -> dict:

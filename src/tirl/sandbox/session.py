@@ -19,6 +19,7 @@ import secrets
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tirl.sandbox import cgroups, forkserver, framing
 from tirl.sandbox.capture import CHUNK, StreamCapture
@@ -46,7 +47,21 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     lost: str | None = None  # why the session is gone, once it is
     calls: int = 0
+    owner: Any = None  # the Sandbox pool that opened it (its run/close go through the pool)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
+        """Run one cell in this session (same contract as Sandbox.run)."""
+        return await self.owner.run_in_session(self, code, stdin, timeout)
+
+    async def aclose(self) -> None:
+        await self.owner.close_session(self)
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     @property
     def alive(self) -> bool:
@@ -62,8 +77,8 @@ class Session:
         req = {"session": True, "code": "", "stdin": "", "limits": process_limits.model_dump()}
         return await self._exchange(req, self.limits.timeout_s + 10, first=True)
 
-    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
-        """Run one cell in the session's namespace."""
+    async def run_cell(self, code: str, stdin: str, timeout: float) -> ExecResult:
+        """Run one cell in the session's namespace (the caller holds a slot of the pool)."""
         async with self._lock:
             if self.lost is not None:
                 return _gone(self.lost)
@@ -145,6 +160,7 @@ class Session:
             r.status, r.message = Status.RUNTIME_ERROR, f"exited with code {r.exit_code}"
         if self.lost is not None and not first:
             r.message += f" ({self.lost}: its variables are gone; open a new session)"
+            r.extra["session_lost"] = True
         return r
 
     # ---- I/O on the session's pipes (non-blocking, in the event loop) ----
