@@ -123,71 +123,127 @@ def model_init(
 
 @app.command("eval")
 def eval_command(
-    model: str = typer.Option(..., "--model", help="Model directory (or hub id)."),
+    model: str = typer.Option(
+        ..., "--model", help="Model directory, tirl run/checkpoint directory, or hub id."
+    ),
     data: list[str] = typer.Option(..., "--data", help="Benchmark (aime24, math500, ...) or file; repeat."),
     config: str | None = typer.Option(None, "--config", help="EvalConfig YAML; flags below override it."),
-    samples: int | None = typer.Option(None, "--samples", help="Trajectories per problem (default 16)."),
-    temperature: float | None = typer.Option(None, "--temperature", help="Default 0.6."),
-    top_p: float | None = typer.Option(None, "--top-p", help="Default 1.0."),
-    max_turns: int | None = typer.Option(None, "--max-turns", help="Default 30."),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Response budget (default 30000)."),
+    agent: str | None = typer.Option(
+        None, "--agent", help="Agent settings YAML (prompt, tool, budgets); default: saved with the model."
+    ),
+    samples: int | None = typer.Option(
+        None, "--samples", min=1, help="Trajectories per problem (default 16)."
+    ),
+    temperature: float | None = typer.Option(None, "--temperature", min=0.0, help="Default 0.6."),
+    top_p: float | None = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Default 1.0."),
+    max_turns: int | None = typer.Option(
+        None, "--max-turns", min=1, help="Default: the agent settings' (the paper's: 30)."
+    ),
+    max_tokens: int | None = typer.Option(
+        None,
+        "--max-tokens",
+        min=1,
+        help="Response budget; default: the agent settings' (the paper's: 30000).",
+    ),
     seed: int | None = typer.Option(None, "--seed"),
-    limit: int | None = typer.Option(None, "--limit", help="First N problems of each benchmark."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="First N problems of each benchmark."),
     engine: str = typer.Option("hf", "--engine", help="hf or vllm."),
-    num_engines: int = typer.Option(1, "--num-engines"),
+    num_engines: int = typer.Option(1, "--num-engines", min=1),
     device: str = typer.Option("auto", "--device"),
-    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Default: prompt + budget."),
+    max_model_len: int | None = typer.Option(
+        None, "--max-model-len", min=1, help="Default: prompt + budget."
+    ),
     out: str = typer.Option("runs/eval", "--out", help="Writes report.md, metrics.json, trajectories.jsonl."),
     sandbox_endpoint: list[str] = typer.Option([], "--sandbox-endpoint", help="Remote sandbox URL; repeat."),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Benchmark files (else $TIRL_DATA_DIR)."),
-    reward_workers: int | None = typer.Option(None, "--reward-workers", help="math-verify processes."),
+    reward_workers: int | None = typer.Option(None, "--reward-workers", min=1, help="math-verify processes."),
 ) -> None:
     """Run the agent k times on every problem; write avg@k pass@1, pass@k, maj@k and tool statistics."""
-    from tirl.config import ConfigError, load_config
+    from tirl.config import ConfigError, ensure_writable_dir, load_config
     from tirl.data import DataError
     from tirl.engines.config import EngineConfig
+    from tirl.engines.factory import load_tokenizer
     from tirl.eval.commands import load_benchmarks, run_eval
-    from tirl.eval.config import EvalConfig
+    from tirl.eval.config import EvalConfig, with_model_agent
     from tirl.reward import RewardConfig
+    from tirl.rl.checkpoint import resolve_model_path
 
     flags = {"samples": samples, "temperature": temperature, "top_p": top_p, "max_turns": max_turns}
     flags |= {"max_tokens": max_tokens, "seed": seed}
     overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
     try:
+        model = resolve_model_path(model)
         cfg = load_config(EvalConfig, config, overrides)
+        if agent is not None:
+            cfg = cfg.model_copy(update={"agent": _agent_file(agent)})
+        cfg, source = with_model_agent(cfg, model)
         engine_cfg = EngineConfig(backend=engine, model=model, num_engines=num_engines, device=device)
         reward_cfg = RewardConfig(workers=reward_workers) if reward_workers else RewardConfig()
+        ensure_writable_dir(out, "--out")
         benchmarks = load_benchmarks(data, limit, data_dir)
-    except (ConfigError, DataError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    run_eval(engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len)
+        tokenizer = load_tokenizer(model)
+    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+        _fail(e)
+    typer.echo(source, err=True)
+    run_eval(
+        engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len, tokenizer=tokenizer
+    )
+
+
+def _agent_file(path: str):
+    """An AgentConfig from a YAML file: a bare agent section or a config holding an `agent:` section."""
+    from tirl.agent.config import AgentConfig
+    from tirl.config import read_yaml, validate
+
+    data = read_yaml(path)
+    return validate(AgentConfig, data.get("agent", data), f" in {path}")
 
 
 @app.command("chat")
 def chat_command(
-    model: str = typer.Option(..., "--model", help="Model directory (or hub id)."),
-    temperature: float = typer.Option(0.6, "--temperature"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    max_turns: int = typer.Option(30, "--max-turns"),
-    max_tokens: int = typer.Option(8192, "--max-tokens", help="Response budget per problem."),
+    model: str = typer.Option(
+        ..., "--model", help="Model directory, tirl run/checkpoint directory, or hub id."
+    ),
+    agent: str | None = typer.Option(
+        None, "--agent", help="Agent settings YAML (prompt, tool, budgets); default: saved with the model."
+    ),
+    temperature: float = typer.Option(0.6, "--temperature", min=0.0),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    max_turns: int | None = typer.Option(
+        None, "--max-turns", min=1, help="Default: the agent settings' (the paper's: 30)."
+    ),
+    max_tokens: int | None = typer.Option(
+        None,
+        "--max-tokens",
+        min=1,
+        help="Response budget per problem; default: the agent settings' (the paper's: 30000).",
+    ),
     engine: str = typer.Option("hf", "--engine", help="hf or vllm."),
     device: str = typer.Option("auto", "--device"),
     sandbox_endpoint: list[str] = typer.Option([], "--sandbox-endpoint", help="Remote sandbox URL; repeat."),
 ) -> None:
     """Talk to the agent: type a problem, watch its reasoning, tool calls and tool results. Ctrl-D exits."""
-    from tirl.agent.config import AgentConfig
+    from tirl.config import ConfigError
     from tirl.engines.config import EngineConfig
     from tirl.eval.chat import CONTEXT_FOR_PROMPT, chat
     from tirl.eval.commands import sandbox_config
+    from tirl.eval.config import EvalConfig, with_model_agent
+    from tirl.rl.checkpoint import resolve_model_path
 
-    agent = AgentConfig(
-        temperature=temperature, top_p=top_p, max_turns=max_turns, max_response_tokens=max_tokens
-    )
+    try:
+        model = resolve_model_path(model)
+        settings = _agent_file(agent) if agent is not None else None
+        cfg = EvalConfig(temperature=temperature, top_p=top_p, max_turns=max_turns, max_tokens=max_tokens)
+        cfg, source = with_model_agent(cfg.model_copy(update={"agent": settings}), model)
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(e)
+    agent_cfg = cfg.agent_config()
+    typer.echo(source, err=True)
     engine_cfg = EngineConfig(
-        backend=engine, model=model, device=device, max_model_len=max_tokens + CONTEXT_FOR_PROMPT
-    )
-    chat(engine_cfg, sandbox_config(sandbox_endpoint), agent)
+        backend=engine, model=model, device=device,
+        max_model_len=agent_cfg.max_response_tokens + CONTEXT_FOR_PROMPT,
+    )  # fmt: skip
+    chat(engine_cfg, sandbox_config(sandbox_endpoint), agent_cfg)
 
 
 # ---- train / sft / demo (tirl.rl) ----

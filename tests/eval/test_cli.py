@@ -49,9 +49,9 @@ def test_eval_writes_consistent_report(tiny_model_dir, tmp_path):
     assert "| three | 3 |" in result.output
 
 
-def test_eval_bad_data_is_a_clear_error(tmp_path):
+def test_eval_bad_data_is_a_clear_error(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(
-        app, ["eval", "--model", str(tmp_path), "--data", str(tmp_path / "none.jsonl")]
+        app, ["eval", "--model", str(tiny_model_dir), "--data", str(tmp_path / "none.jsonl")]
     )
     assert result.exit_code == 2
     assert "no such file" in result.output

@@ -23,8 +23,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tirl.agent.config import AgentConfig
-from tirl.config import ConfigError, apply_overrides, read_yaml
+from tirl.config import ConfigError, apply_overrides, read_yaml, validate
 from tirl.demo.sft_traces import TraceMix
+from tirl.eval.config import EvalConfig
+from tirl.rl.config import SFTConfig, TrainConfig
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs" / "demo"
 MARKER = ".tirl-demo"  # marks a directory the demo may wipe on the next run
@@ -72,7 +74,8 @@ class DemoSettings:
 
 
 def load_settings(config_dir: str | Path = CONFIG_DIR, overrides: list[str] | None = None) -> DemoSettings:
-    """Read demo/agent/sft/train/eval YAML; `section.key=value` overrides (e.g. `demo.rl_steps=5`)."""
+    """Read demo/agent/sft/train/eval YAML; `section.key=value` overrides (e.g. `demo.rl_steps=5`).
+    Every section is validated here, before the first phase, so a typo fails at once."""
     raw = {name: read_yaml(Path(config_dir) / f"{name}.yaml") for name in SECTIONS}
     for item in overrides or []:
         section, dot, rest = item.partition(".")
@@ -80,13 +83,20 @@ def load_settings(config_dir: str | Path = CONFIG_DIR, overrides: list[str] | No
             raise ConfigError(
                 f"override {item!r} must start with one of {', '.join(SECTIONS)} (e.g. demo.rl_steps=5)"
             )
-        apply_overrides(raw[section], [rest])
-    try:
-        demo = DemoConfig.model_validate(raw["demo"])
-        agent = AgentConfig.model_validate(raw["agent"])
-    except ValueError as e:
-        raise ConfigError(f"invalid demo config in {config_dir}: {e}") from e
-    return DemoSettings(demo, agent, raw["drills"], raw["sft"], raw["train"], raw["eval"])
+        try:
+            apply_overrides(raw[section], [rest])
+        except ConfigError as e:
+            raise ConfigError(str(e).replace(repr(rest), repr(item))) from None
+    where = f" in {config_dir} (with the overrides)"
+    demo = validate(DemoConfig, raw["demo"], where)
+    agent = validate(AgentConfig, raw["agent"], where)
+    settings = DemoSettings(demo, agent, raw["drills"], raw["sft"], raw["train"], raw["eval"])
+    for name in ("drills", "sft"):
+        fields = _sft_raw(settings, raw[name], Path("model"), Path("data"), Path("out"))
+        validate(SFTConfig, fields, f"{where}: {name}")
+    validate(TrainConfig, _train_raw(settings, Path("model"), "data", Path("out"), "rl"), f"{where}: train")
+    validate(EvalConfig, _eval_raw(settings), f"{where}: eval")
+    return settings
 
 
 @dataclass
@@ -229,41 +239,48 @@ def _drill(settings: DemoSettings, init_model: Path, out: Path, progress: bool) 
     return _sft(settings.drills | {"epochs": 1}, settings, init_model, path, out, progress)
 
 
+def _sft_raw(settings: DemoSettings, raw: dict, init_model: Path, data: Path, out: Path) -> dict:
+    """An SFTConfig's fields: the section's, with the demo's model, data and output; a section that
+    names the agent protocol (sft.yaml: the traces) gets the demo's, the drills none."""
+    fields = {
+        "model": str(init_model),
+        "data": [str(data)],
+        "output_dir": str(out),
+        "seed": settings.demo.seed,
+    }
+    if "agent" in raw:
+        fields["agent"] = settings.agent.model_dump(mode="json")
+    return raw | fields
+
+
 def _sft(raw: dict, settings: DemoSettings, init_model: Path, data: Path, out: Path, progress: bool) -> Path:
     from tirl.rl.checkpoint import latest_model_dir
-    from tirl.rl.config import SFTConfig
     from tirl.rl.sft import run_sft
 
-    cfg = SFTConfig.model_validate(
-        raw
-        | {
-            "model": str(init_model),
-            "data": [str(data)],
-            "output_dir": str(out),
-            "seed": settings.demo.seed,
-        }
-    )
+    cfg = SFTConfig.model_validate(_sft_raw(settings, raw, init_model, data, out))
     return latest_model_dir(run_sft(cfg, progress=progress))
 
 
-def train_config(
-    settings: DemoSettings, model: Path, data: str, out: Path, name: str, roc: str | None = None
-):
-    """The TrainConfig of one RL run; `roc` overrides algorithm.roc (the baseline, e.g. "off")."""
-    from tirl.rl.config import TrainConfig
-
+def _train_raw(settings: DemoSettings, model: Path, data: str, out: Path, name: str, roc: str | None = None):
     raw = json.loads(json.dumps(settings.train))  # a deep copy: both runs start from the same settings
     if roc is not None:
         raw.setdefault("algorithm", {})["roc"] = roc
-    raw |= {
+    stage = (raw.get("stages") or [{}])[0]
+    return raw | {
         "model": str(model),
         "output_dir": str(out),
         "run_name": name,
         "seed": settings.demo.seed,
         "agent": settings.agent.model_dump(mode="json"),
-        "stages": [{"name": "synthetic", "steps": settings.demo.rl_steps, "data": data}],
+        "stages": [{"name": stage.get("name", "synthetic"), "steps": settings.demo.rl_steps, "data": data}],
     }
-    return TrainConfig.model_validate(raw)
+
+
+def train_config(
+    settings: DemoSettings, model: Path, data: str, out: Path, name: str, roc: str | None = None
+) -> TrainConfig:
+    """The TrainConfig of one RL run; `roc` overrides algorithm.roc (the baseline, e.g. "off")."""
+    return TrainConfig.model_validate(_train_raw(settings, model, data, out, name, roc))
 
 
 def _train(
@@ -276,13 +293,17 @@ def _train(
     return run_dir, latest_model_dir(run_dir)
 
 
+def _eval_raw(settings: DemoSettings) -> dict:
+    return settings.eval | {"agent": settings.agent.model_dump(mode="json")}
+
+
 async def _evaluate(settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool):
     from tirl.engines.config import EngineConfig
-    from tirl.eval import EvalConfig, evaluate
+    from tirl.eval import evaluate
     from tirl.reward import RewardConfig
     from tirl.runtime import ClusterConfig, open_runtime
 
-    cfg = EvalConfig.model_validate(settings.eval | {"agent": settings.agent.model_dump(mode="json")})
+    cfg = EvalConfig.model_validate(_eval_raw(settings))
     engine = EngineConfig.model_validate(settings.train.get("engine", {}) | {"model": str(model)})
     reward = RewardConfig.model_validate(settings.train.get("reward", {}))
     async with open_runtime(ClusterConfig(), engine, _sandbox_config(settings), reward) as rt:

@@ -43,6 +43,22 @@ def longest_prompt(tokenizer, problems, agent_cfg) -> int:
     return max((len(build_prompt_ids(tokenizer, p.problem, agent_cfg)) for p in problems), default=0)
 
 
+def check_context(tokenizer, problems, agent_cfg, max_model_len: int, where: str) -> int:
+    """Fail before the first rollout when a prompt does not fit the engine's context (it would fail
+    every rollout of that problem); returns the longest prompt's length. Tokenizes the 64 longest
+    problem texts only, so a large training set costs no time."""
+    from tirl.config import ConfigError
+
+    longest = sorted(problems, key=lambda p: len(p.problem), reverse=True)[:64]
+    prompt = longest_prompt(tokenizer, longest, agent_cfg)
+    if prompt >= max_model_len:
+        raise ConfigError(
+            f"{where}: a prompt of {prompt} tokens does not fit engine.max_model_len={max_model_len}; "
+            f"raise it to at least {prompt + agent_cfg.max_response_tokens} (prompt + max_response_tokens)"
+        )
+    return prompt
+
+
 def sandbox_config(endpoints: list[str]):
     """Remote when endpoints are given (bearer token from $TIRL_SANDBOX_TOKEN), else a local service
     started for this run."""
@@ -63,15 +79,17 @@ def run_eval(
     max_model_len: int | None = None,
     console: Console | None = None,
     cluster: ClusterConfig | None = None,
+    tokenizer=None,
 ) -> EvalReport:
     """Evaluate, write out/report.md, out/metrics.json, out/trajectories.jsonl; return the report."""
     from tirl.engines.factory import load_tokenizer
 
     console = console or Console()
-    tokenizer = load_tokenizer(engine_cfg.model)
+    tokenizer = tokenizer or load_tokenizer(engine_cfg.model)
+    agent = cfg.agent_config()
     if max_model_len is None:  # the context must hold the longest prompt and the whole response budget
-        prompt = longest_prompt(tokenizer, [p for ps in benchmarks.values() for p in ps], cfg.agent_config())
-        max_model_len = prompt + cfg.max_tokens + CONTEXT_SLACK
+        prompt = longest_prompt(tokenizer, [p for ps in benchmarks.values() for p in ps], agent)
+        max_model_len = prompt + agent.max_response_tokens + CONTEXT_SLACK
     engine_cfg = engine_cfg.model_copy(update={"max_model_len": max_model_len})
 
     async def main() -> EvalReport:

@@ -2,6 +2,9 @@
 
 Layout: <run_dir>/checkpoints/step_000050/{model/, trainer_state.pt}. A checkpoint is built in a
 hidden temp directory and renamed into place, so a kill mid-save leaves the previous one intact.
+model/ also holds `tirl_agent.yaml`, the agent settings the run used (prompt, tool schema, template,
+budgets): `tirl eval` and `tirl chat` default to them, since a model only works with the protocol it
+was trained on.
 """
 
 from __future__ import annotations
@@ -10,15 +13,20 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from pydantic import BaseModel
 
-from tirl.config import ConfigError, dump_config
+from tirl.agent.config import AgentConfig
+from tirl.config import ConfigError, dump_config, read_yaml, validate
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+AGENT_FILE = "tirl_agent.yaml"
+RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard")  # what a run writes before its first checkpoint
 
 
 def rng_states() -> dict:
@@ -62,12 +70,33 @@ def save_checkpoint(
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
     torch.save({**trainer_state, "rng": rng_states()}, tmp / "trainer_state.pt")
+    _copy_agent_settings(Path(run_dir) / "config.yaml", tmp / "model" / AGENT_FILE)
     if final.exists():  # re-saving a step (e.g. a resumed run): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     for _, old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _copy_agent_settings(run_config: Path, dest: Path) -> None:
+    """The run's `agent` section (if its config has one) next to the saved model."""
+    if not run_config.is_file():
+        return
+    agent = yaml.safe_load(run_config.read_text()).get("agent")
+    if agent is not None:
+        dest.write_text(
+            "# The agent settings this model was trained with (tirl eval/chat use them by default).\n"
+            + yaml.safe_dump(agent, sort_keys=False)
+        )
+
+
+def saved_agent_settings(model_path: str | Path) -> tuple[AgentConfig, Path] | None:
+    """The agent settings saved with a model (and their file), or None for a model tirl did not train."""
+    path = Path(model_path) / AGENT_FILE
+    if not path.is_file():
+        return None
+    return validate(AgentConfig, read_yaml(path), f" in {path}"), path
 
 
 def load_trainer_state(ckpt: Path) -> dict:
@@ -87,27 +116,53 @@ def latest_model_dir(run_dir: Path) -> Path:
 
 def resolve_model_path(path: str) -> str:
     """A tirl run directory means its newest checkpoint's model; a checkpoint directory its model/;
-    anything else (an HF model directory or hub id) is returned as given."""
-    p = Path(path)
+    a model directory or a Hugging Face id (org/name) is returned as given. A local path that does not
+    exist is a FileNotFoundError here, not a hub lookup that fails (offline) after retries."""
+    p = Path(path).expanduser()
     if (p / "checkpoints").is_dir():
         return str(latest_model_dir(p))
     if (p / "model" / "config.json").is_file():
         return str(p / "model")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model {path}: not a model directory (no config.json), run or checkpoint"
+            )
+        return str(p)
+    parts = Path(path).parts
+    if path.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
+        raise FileNotFoundError(
+            f"model {path}: no such directory; give a model directory (`tirl model init --out DIR` makes a "
+            "tiny one), a tirl run or checkpoint directory, or a Hugging Face id (org/name)"
+        )
     return path
 
 
-def prepare_run_dir(run_dir: Path, cfg: BaseModel, resume: bool, is_main: bool) -> Path | None:
-    """The checkpoint to resume from (or None); refuses to silently overwrite a previous run."""
+def prepare_run_dir(
+    run_dir: Path, cfg: BaseModel, resume: bool, is_main: bool, say: Callable[[str], object] = print
+) -> Path | None:
+    """The checkpoint to resume from (or None); refuses to silently overwrite a previous run.
+
+    A run stopped before its first checkpoint has nothing to resume: with or without --resume it starts
+    over in the same directory (its partial metrics are dropped)."""
+    run_dir = Path(run_dir)
     ckpt = latest_checkpoint(run_dir)
-    if resume:
-        if ckpt is None:
-            raise ConfigError(f"--resume: no checkpoint under {run_dir}/checkpoints; start without --resume")
+    if resume and ckpt is not None:
+        say(f"resuming {run_dir} from {ckpt.name} (step {int(STEP_DIR.match(ckpt.name).group(1))})")
         return ckpt
-    if ckpt is not None or (Path(run_dir) / "metrics.jsonl").exists():
+    if ckpt is not None:
         raise ConfigError(
             f"{run_dir} already holds a run: pass --resume to continue it, or choose another run_name/output_dir"
         )
+    started = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if resume and not started:
+        raise ConfigError(f"--resume: no checkpoint and no run in {run_dir}; start without --resume")
+    if started:
+        say(f"{run_dir} was stopped before its first checkpoint: starting it over from step 0")
     if is_main:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, Path(run_dir) / "config.yaml")
+        for name in started:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, run_dir / "config.yaml")
     return None

@@ -128,6 +128,10 @@ class SFTConfig(_Strict):
     optim: OptimConfig = OptimConfig(lr=5e-6, schedule="cosine", warmup_ratio=0.04, weight_decay=0.0)
     checkpoint: CheckpointConfig = CheckpointConfig(every=500)
     logging: LoggingConfig = LoggingConfig()
+    # The agent protocol the data is written in (prompt, tool schema, template): saved with every
+    # checkpoint so that `tirl eval`/`tirl chat` prompt the model the way it was trained. SFT itself reads
+    # the rendered examples and does not use it.
+    agent: AgentConfig | None = None
 
     @property
     def run_dir(self) -> Path:

@@ -120,7 +120,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path
     info = init_distributed(cfg.optim.device)
     try:
         console = Console(stderr=True, quiet=not (progress and info.is_main))
-        ckpt = prepare_run_dir(cfg.run_dir, cfg, resume, info.is_main)
+        ckpt = prepare_run_dir(cfg.run_dir, cfg, resume, info.is_main, console.print)
         model_path = resolve_model_path(cfg.model)
         tokenizer = load_tokenizer(model_path)
         encoded = [tokenize_example(tokenizer, ex, cfg.max_length) for ex in read_examples(cfg.data)]

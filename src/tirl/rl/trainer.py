@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tirl.config import ConfigError
+from tirl.eval.commands import check_context
 from tirl.rl import grpo
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
 from tirl.rl.config import AlgorithmConfig, StageConfig, TrainConfig
@@ -286,7 +287,7 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
     from rich.console import Console
 
     console = Console(stderr=True, quiet=not (progress and info.is_main))
-    ckpt = prepare_run_dir(cfg.run_dir, cfg, resume, info.is_main)
+    ckpt = prepare_run_dir(cfg.run_dir, cfg, resume, info.is_main, console.print)
     saved = load_trainer_state(ckpt) if ckpt else None
     state = (
         TrainerState(**{k: saved[k] for k in ("step", "stage", "stage_step")}) if saved else TrainerState()
@@ -320,6 +321,11 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
     cfg, st, policy = run.cfg, run.state, run.policy
     stage = cfg.stages[stage_index]
     problems = load_stage_problems(stage) if run.info.is_main else []
+    if problems and run.runtime is not None:
+        agent = stage_agent_config(cfg, stage)
+        check_context(
+            run.runtime.tokenizer, problems, agent, cfg.engine.max_model_len, f"stage {stage.name!r}"
+        )
     n = int(broadcast_object(len(problems), run.info))
     sampler = EpochSampler(n, derive_seed(cfg.seed, stage_index))
     policy.reset_optimizer(stage.steps)  # a fresh optimizer and warm-up at every stage boundary
