@@ -63,3 +63,51 @@ def test_chat_shows_the_trajectory_and_exits_on_eof(tiny_model_dir):
     assert result.exit_code == 0, result.output
     assert "turn 1" in result.output  # the model's first turn was shown
     assert "finish:" in result.output and "bye" in result.output
+
+
+def test_eval_uses_the_agent_settings_saved_with_the_model(tiny_model_dir, tmp_path):
+    """A model trained by tirl carries its protocol (tirl_agent.yaml); eval prompts it that way, says
+    so, and a flag still overrides a budget."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tirl_agent.yaml").write_text(
+        "max_turns: 1\nmax_response_tokens: 20\nsystem_prompt: Use the python tool.\nuse_chat_template: false\n"
+    )
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps(PROBLEMS[0]) + "\n")
+    args = ["eval", "--model", str(model), "--data", str(data), "--samples", "1", "--reward-workers", "1"]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "saved"), "--max-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    assert f"agent settings: saved with the model ({model / 'tirl_agent.yaml'})" in result.output
+    (traj,) = [json.loads(line) for line in (tmp_path / "saved" / "trajectories.jsonl").read_text().splitlines()]
+    prompt = AutoTokenizer.from_pretrained(model).decode(traj["prompt_ids"])
+    assert prompt.startswith("<|im_start|>system\nUse the python tool.")
+    assert len(traj["response_ids"]) <= 12 and traj["turns"] == 1  # the flag beat the saved budget of 20
+
+    paper = tmp_path / "paper.yaml"
+    paper.write_text("max_turns: 1\nmax_response_tokens: 8\n")
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "given"), "--agent", str(paper)])
+    assert result.exit_code == 0, result.output
+    assert "agent settings: as given" in result.output
+    (traj,) = [json.loads(line) for line in (tmp_path / "given" / "trajectories.jsonl").read_text().splitlines()]
+    assert "Use the python tool." not in AutoTokenizer.from_pretrained(model).decode(traj["prompt_ids"])
+
+
+def test_eval_input_errors_are_one_line_before_any_work(tiny_model_dir, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps(PROBLEMS[0]) + "\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cases = [
+        (["--model", str(tmp_path / "runs" / "nope" / "model"), "--data", str(data)], "no such directory"),
+        (["--model", str(tiny_model_dir), "--data", str(data), "--out", str(blocker / "x")], "cannot write"),
+        (["--model", str(tiny_model_dir), "--data", str(data), "--samples", "0"], "--samples"),
+    ]
+    for args, message in cases:
+        result = CliRunner().invoke(app, ["eval", *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output

@@ -1,0 +1,63 @@
+"""Configs: what the docs write on the command line means what they say (YAML 1.2 spellings), section
+files, and one-line errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from tirl.agent.config import AgentConfig
+from tirl.config import ConfigError, apply_overrides, ensure_writable_dir, load_config
+from tirl.rl.config import TrainConfig
+
+BASE = ["model=m", "stages=[{steps: 1, data: x}]"]
+
+
+def test_documented_enum_spellings_are_strings_and_booleans_still_parse():
+    cfg = load_config(TrainConfig, None, [*BASE, "algorithm.roc=off", "algorithm.drop_uniform_groups=on"])
+    assert cfg.algorithm.roc == "off" and cfg.algorithm.drop_uniform_groups is True
+    cfg = load_config(TrainConfig, None, [*BASE, "algorithm.drop_uniform_groups=no", "optim.lr=1e-6"])
+    assert cfg.algorithm.drop_uniform_groups is False and cfg.optim.lr == 1e-6
+    assert apply_overrides({}, ["xs=[1, 2.5, true]", "n=1e3"]) == {"xs": [1, 2.5, True], "n": 1000.0}
+
+
+def test_a_yaml_file_reads_off_as_the_string_off(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("model: m\nstages: [{steps: 1, data: x}]\nalgorithm: {roc: off}\n")
+    assert load_config(TrainConfig, path).algorithm.roc == "off"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.roc=of", r"algorithm\.roc: Input should be 'sample', 'topk' or 'off' \(got 'of'\)"),
+        ("optim.lr=", r"override 'optim.lr=' has no value"),
+        ("optim.lr=fast", r"optim\.lr: .*\(got 'fast'\)"),
+        ("=3", "must look like key.path=value"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_value(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, None, [*BASE, override])
+
+
+def test_missing_required_value_says_how_to_set_it():
+    with pytest.raises(ConfigError, match="stages: required: set it in the config or as key=value"):
+        load_config(TrainConfig, None, ["model=m"])
+
+
+def test_a_section_may_name_a_yaml_file_beside_the_config(tmp_path):
+    (tmp_path / "agent.yaml").write_text("max_turns: 3\nsystem_prompt: Use the python tool.\n")
+    (tmp_path / "train.yaml").write_text("model: m\nstages: [{steps: 1, data: x}]\nagent: agent.yaml\n")
+    cfg = load_config(TrainConfig, tmp_path / "train.yaml", ["agent.max_turns=5"])
+    assert cfg.agent == AgentConfig(max_turns=5, system_prompt="Use the python tool.")
+    (tmp_path / "bad.yaml").write_text("model: m\nstages: [{steps: 1, data: x}]\nagent: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+        load_config(TrainConfig, tmp_path / "bad.yaml")
+
+
+def test_unwritable_output_is_found_before_any_work(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="--out .*cannot write there"):
+        ensure_writable_dir(blocker / "eval", "--out")
+    assert ensure_writable_dir(tmp_path / "x" / "y", "--out").is_dir()
