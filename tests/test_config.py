@@ -51,13 +51,13 @@ def test_a_section_may_name_a_yaml_file_beside_the_config(tmp_path):
     cfg = load_config(TrainConfig, tmp_path / "train.yaml", ["agent.max_turns=5"])
     assert cfg.agent == AgentConfig(max_turns=5, system_prompt="Use the python tool.")
     (tmp_path / "bad.yaml").write_text("model: m\nstages: [{steps: 1, data: x}]\nagent: nowhere.yaml\n")
-    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+    with pytest.raises(ConfigError, match=r"config file not found: .*nowhere\.yaml"):
         load_config(TrainConfig, tmp_path / "bad.yaml")
 
 
 def test_unwritable_output_is_found_before_any_work(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(ConfigError, match="--out .*cannot write there"):
+    with pytest.raises(ConfigError, match=r"--out .*cannot write there"):
         ensure_writable_dir(blocker / "eval", "--out")
     assert ensure_writable_dir(tmp_path / "x" / "y", "--out").is_dir()

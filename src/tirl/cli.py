@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import typer
 
+from tirl.data.decontaminate import IGNORE_COMMON, NGRAM
+from tirl.lifetime import adopt_parent_death
+
+adopt_parent_death()  # a `tirl sandbox serve` (or vLLM engine) started by a tirl command dies with it
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 sandbox_app = typer.Typer(no_args_is_help=True, help="The sandboxed Python execution service.")
 model_app = typer.Typer(no_args_is_help=True, help="Create models (tiny presets for CPU experiments).")
@@ -185,9 +190,12 @@ def eval_command(
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         _fail(e)
     typer.echo(source, err=True)
-    run_eval(
-        engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len, tokenizer=tokenizer
-    )
+    try:
+        run_eval(
+            engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len, tokenizer=tokenizer
+        )
+    except KeyboardInterrupt:  # run_eval said what was kept
+        raise typer.Exit(130) from None
 
 
 def _agent_file(path: str):
@@ -278,18 +286,40 @@ def train(
     from tirl.rl.config import TrainConfig
     from tirl.rl.trainer import run_training
 
-    _run_from_config(TrainConfig, run_training, config, ctx.args, resume, progress)
+    _run_from_config("train", TrainConfig, run_training, config, ctx.args, resume, progress)
 
 
-def _run_from_config(model, runner, config: str, overrides: list[str], resume: bool, progress: bool) -> None:
+def _run_from_config(
+    command: str, model, runner, config: str, overrides: list[str], resume: bool, progress: bool
+) -> None:
     """Load a YAML config with dotted overrides and run a training job on it; config errors exit 2."""
     from tirl.config import ConfigError, load_config
 
+    cfg = None
     try:
-        run_dir = runner(load_config(model, config, overrides), resume=resume, progress=progress)
+        cfg = load_config(model, config, overrides)
+        run_dir = runner(cfg, resume=resume, progress=progress)
     except (ConfigError, FileNotFoundError) as e:
         _fail(e)
+    except KeyboardInterrupt:
+        if cfg is not None:
+            _interrupted(cfg, command, config, overrides)
+        raise typer.Exit(130) from None
     _echo_main(f"run: {run_dir}")
+
+
+def _interrupted(cfg, command: str, config: str, overrides: list[str]) -> None:
+    """After Ctrl-C: where the run stands and the command that continues it."""
+    import shlex
+
+    from tirl.rl.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(cfg.run_dir)
+    again = shlex.join(["tirl", command, "--config", config, *overrides])
+    if ckpt is None:
+        _echo_main(f"interrupted before the first checkpoint of {cfg.run_dir}; start it over with: {again}")
+    else:
+        _echo_main(f"interrupted; {cfg.run_dir} is saved at {ckpt.name}; continue with: {again} --resume")
 
 
 @app.command("sft", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
@@ -303,7 +333,7 @@ def sft(
     from tirl.rl.config import SFTConfig
     from tirl.rl.sft import run_sft
 
-    _run_from_config(SFTConfig, run_sft, config, ctx.args, resume, progress)
+    _run_from_config("sft", SFTConfig, run_sft, config, ctx.args, resume, progress)
 
 
 @app.command("demo", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
@@ -328,6 +358,11 @@ def demo(
         run_demo(out, compare=compare, overrides=ctx.args, progress=progress)
     except (ConfigError, DemoError) as e:
         _fail(e)
+    except KeyboardInterrupt:
+        typer.echo(
+            f"interrupted; partial outputs are in {out}; `tirl demo` starts over when run again", err=True
+        )
+        raise typer.Exit(130) from None
 
 
 # ---- data (tirl.data, tirl.rl) ----
@@ -340,22 +375,30 @@ def data_prepare(
         [], "--decontaminate-against", help="Benchmark file or name (aime24, math500, ...); repeat."
     ),
     out: str = typer.Option(..., "--out", help="Output JSONL file."),
-    max_digits: int = typer.Option(12, "--max-digits", help="Drop integer answers with more digits."),
-    ngram: int = typer.Option(8, "--ngram", help="n for n-gram decontamination (the paper: 8)."),
-    ignore_common: int | None = typer.Option(
-        None, "--ignore-common", help="Ignore benchmark n-grams found in more than N training problems."
+    max_digits: int = typer.Option(12, "--max-digits", min=1, help="Drop integer answers with more digits."),
+    ngram: int = typer.Option(NGRAM, "--ngram", min=1, help="n for n-gram decontamination (the paper: 8)."),
+    ignore_common: int = typer.Option(
+        IGNORE_COMMON,
+        "--ignore-common",
+        min=0,
+        help="Ignore benchmark n-grams found in more than N training problems (stock phrasing); "
+        "0: the paper's literal rule.",
     ),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Benchmark files (else $TIRL_DATA_DIR)."),
 ) -> None:
     """Keep integer answers, deduplicate, drop benchmark n-gram overlaps; print what was dropped and why."""
+    from pathlib import Path
+
+    from tirl.config import ConfigError, ensure_writable_dir
     from tirl.data import DataError, prepare, write_problems
 
     try:
         if not out.endswith(".jsonl"):
             raise DataError(f"--out {out}: the output is JSONL; name it *.jsonl")
-        result = prepare(inputs, against, max_digits, ngram, data_dir, ignore_common)
+        ensure_writable_dir(Path(out).parent, "--out")
+        result = prepare(inputs, against, max_digits, ngram, data_dir, ignore_common or None)
         write_problems(out, result.problems)
-    except DataError as e:
+    except (ConfigError, DataError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(result.summary())
@@ -391,5 +434,13 @@ def data_filter_hard(
     typer.echo(f"wrote {result.kept} problems to {out}")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The `tirl` console script: the children it starts die with it, and Ctrl-C reaches it alone."""
+    from tirl.lifetime import children_die_with_me
+
+    children_die_with_me()
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -109,3 +109,48 @@ def test_prepare_cli_output_must_be_jsonl(tmp_path):
         app, ["data", "prepare", "--input", str(train), "--out", str(tmp_path / "o.parquet")]
     )
     assert result.exit_code == 2 and "name it *.jsonl" in result.output
+
+
+def test_prepare_cli_prints_what_matched_and_ignores_stock_phrasing_by_default(tmp_path):
+    boiler = "where m and n are relatively prime positive integers find m+n"
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"problem": f"The probability is m/n {boiler}.", "answer": "7"}) + "\n")
+    rows = [
+        {"id": str(i), "problem": f"Roll {i} dice; the chance is m/n {boiler}.", "answer": "1"}
+        for i in range(7)
+    ]
+    rows.append({"id": "leak", "problem": AIME_STYLE + ". Count.", "answer": "149"})
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "leaked.jsonl").write_text(json.dumps({"problem": AIME_STYLE + "?", "answer": "149"}) + "\n")
+    args = ["data", "prepare", "--input", str(train), "--out", str(tmp_path / "o.jsonl")]
+    args += ["--decontaminate-against", str(bench), "--decontaminate-against", str(tmp_path / "leaked.jsonl")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "kept 7" in result.output  # the boilerplate (in 7 > 5 problems) is ignored, the leak is not
+    assert "ignored 8 common n-grams (in > 5 training problems" in result.output
+    assert "     7  and n are relatively prime positive integers find" in result.output
+    assert (
+        "n-grams that dropped training problems" in result.output and "1  let s be the set" in result.output
+    )
+    literal = CliRunner().invoke(app, [*args, "--ignore-common", "0"])
+    assert literal.exit_code == 0 and "kept 0" in literal.output  # the paper's rule drops them all
+
+
+def test_prepare_cli_rejects_empty_files_and_bad_numbers(tmp_path):
+    train = tmp_path / "t.jsonl"
+    train.write_text(json.dumps({"problem": "p", "answer": "1"}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    base = ["data", "prepare", "--out", str(tmp_path / "o.jsonl")]
+    cases = [
+        (["--input", str(empty)], "empty.jsonl: holds no problems"),
+        (["--input", str(train), "--decontaminate-against", str(empty)], "empty.jsonl: holds no problems"),
+        (["--input", str(train), "--ngram", "0"], "--ngram"),
+        (["--input", str(train), "--decontaminate-against", "aime24", "--data-dir", str(tmp_path)],
+         f"aime24: no local copy ({tmp_path / 'aime2024.jsonl'} does not exist)"),
+    ]  # fmt: skip
+    for args, message in cases:
+        result = CliRunner().invoke(app, [*base, *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "o.jsonl").exists()

@@ -83,7 +83,9 @@ def test_eval_uses_the_agent_settings_saved_with_the_model(tiny_model_dir, tmp_p
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "saved"), "--max-tokens", "12"])
     assert result.exit_code == 0, result.output
     assert f"agent settings: saved with the model ({model / 'tirl_agent.yaml'})" in result.output
-    (traj,) = [json.loads(line) for line in (tmp_path / "saved" / "trajectories.jsonl").read_text().splitlines()]
+    (traj,) = [
+        json.loads(line) for line in (tmp_path / "saved" / "trajectories.jsonl").read_text().splitlines()
+    ]
     prompt = AutoTokenizer.from_pretrained(model).decode(traj["prompt_ids"])
     assert prompt.startswith("<|im_start|>system\nUse the python tool.")
     assert len(traj["response_ids"]) <= 12 and traj["turns"] == 1  # the flag beat the saved budget of 20
@@ -93,7 +95,9 @@ def test_eval_uses_the_agent_settings_saved_with_the_model(tiny_model_dir, tmp_p
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "given"), "--agent", str(paper)])
     assert result.exit_code == 0, result.output
     assert "agent settings: as given" in result.output
-    (traj,) = [json.loads(line) for line in (tmp_path / "given" / "trajectories.jsonl").read_text().splitlines()]
+    (traj,) = [
+        json.loads(line) for line in (tmp_path / "given" / "trajectories.jsonl").read_text().splitlines()
+    ]
     assert "Use the python tool." not in AutoTokenizer.from_pretrained(model).decode(traj["prompt_ids"])
 
 

@@ -60,7 +60,12 @@ def test_resume_needs_a_run_and_says_which_step(tmp_path, tiny_model_dir):
 def test_model_paths_that_do_not_exist_fail_at_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
-    for missing in ("runs/demo", "runs/demo/rl/checkpoints/step_000030/model", "./model", str(tmp_path / "m")):
+    for missing in (
+        "runs/demo",
+        "runs/demo/rl/checkpoints/step_000030/model",
+        "./model",
+        str(tmp_path / "m"),
+    ):
         with pytest.raises(FileNotFoundError, match="no such directory"):
             resolve_model_path(missing)
     with pytest.raises(FileNotFoundError, match="not a model directory"):

@@ -10,6 +10,7 @@ from typing import Any
 
 from tirl.data.problem import Problem
 from tirl.data.registry import BENCHMARKS, Benchmark, local_file
+from tirl.data.registry import data_dir as registry_data_dir
 
 PROBLEM_FIELDS = ("problem", "question", "prompt")
 ANSWER_FIELDS = ("answer", "ground_truth", "reward_model.ground_truth")
@@ -127,7 +128,16 @@ def _load_benchmark(benchmark: Benchmark, split: str | None, data_dir: str | Pat
     path = local_file(benchmark, data_dir)
     if path is not None:
         return read_file(path)
-    return load_hf(benchmark.hf_id, split=split, benchmark=benchmark)
+    root = registry_data_dir(data_dir)
+    where = (
+        f"{root / benchmark.filename} does not exist"
+        if root
+        else "neither --data-dir nor $TIRL_DATA_DIR is set"
+    )
+    try:
+        return load_hf(benchmark.hf_id, split=split, benchmark=benchmark)
+    except DataError as e:
+        raise DataError(f"{benchmark.name}: no local copy ({where}); and {e}") from e
 
 
 def _answers_after(problems: list[Problem], marker: str) -> list[Problem]:

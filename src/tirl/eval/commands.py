@@ -69,6 +69,18 @@ def sandbox_config(endpoints: list[str]):
     return SandboxConfig(mode="remote", endpoints=list(endpoints), token=os.environ.get("TIRL_SANDBOX_TOKEN"))
 
 
+def write_partial(out: str | Path, trajectories: list) -> Path:
+    """The trajectories an interrupted evaluation finished, one JSON line each."""
+    import json
+
+    path = Path(out) / "trajectories.partial.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for traj in trajectories:
+            f.write(json.dumps(traj.to_dict(), ensure_ascii=False) + "\n")
+    return path
+
+
 def run_eval(
     engine_cfg: EngineConfig,
     benchmarks: dict[str, list[Problem]],
@@ -92,6 +104,8 @@ def run_eval(
         max_model_len = prompt + agent.max_response_tokens + CONTEXT_SLACK
     engine_cfg = engine_cfg.model_copy(update={"max_model_len": max_model_len})
 
+    finished: list = []
+
     async def main() -> EvalReport:
         from tirl.eval.evaluate import evaluate
 
@@ -100,10 +114,19 @@ def run_eval(
             cluster or ClusterConfig(), engine_cfg, sandbox, reward_cfg or RewardConfig(), tokenizer
         ) as rt:
             return await evaluate(
-                rt.pool, rt.tokenizer, rt.executor, benchmarks, cfg, rt.scorer, progress=console.is_terminal
+                rt.pool, rt.tokenizer, rt.executor, benchmarks, cfg, rt.scorer, finished=finished
             )
 
-    report = asyncio.run(main())
+    try:
+        report = asyncio.run(main())
+    except KeyboardInterrupt:
+        total = sum(len(ps) for ps in benchmarks.values()) * cfg.samples
+        path = write_partial(out, finished)
+        console.print(
+            f"interrupted: {len(finished)} of {total} trajectories had finished; they are in {path} "
+            "(unscored). Run the same command again for the full evaluation."
+        )
+        raise
     report.config = {"model": engine_cfg.model, "engine": engine_cfg.backend, **report.config}
     report.write(out)
     console.print(report.to_markdown(), markup=False, highlight=False, soft_wrap=True)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import Counter
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -35,8 +37,10 @@ async def evaluate(
     reward_pool: Scorer,
     *,
     progress: bool = True,
+    finished: list[Trajectory] | None = None,
 ) -> EvalReport:
-    """Evaluate on one problem list or several named benchmarks (all rolled out together)."""
+    """Evaluate on one problem list or several named benchmarks (all rolled out together).
+    `finished` (if given) receives each trajectory as it ends, so an interrupted run keeps them."""
     benchmarks = problems if isinstance(problems, dict) else {"eval": list(problems)}
     flat = _with_unique_ids(benchmarks)
     references = {p.id: p.answer for p in flat}
@@ -46,6 +50,8 @@ async def evaluate(
     with _RunningAccuracy(len(flat) * cfg.samples, enabled=progress) as bar:
 
         def on_done(traj: Trajectory) -> None:
+            if finished is not None:
+                finished.append(traj)
             task = asyncio.ensure_future(reward_pool.score_trajectory(traj, references[traj.problem_id]))
             task.add_done_callback(bar.scored)
             scores[traj.problem_id, traj.sample_index] = task
@@ -105,14 +111,17 @@ def _with_unique_ids(benchmarks: dict[str, list[Problem]]) -> list[Problem]:
 
 
 class _RunningAccuracy:
-    """A rich progress bar over trajectories that shows the accuracy of those scored so far."""
+    """A rich progress bar over trajectories that shows the accuracy of those scored so far; when
+    stderr is not a terminal (a log file, CI), a plain line at every tenth of the work instead."""
 
     def __init__(self, total: int, enabled: bool):
         self.correct = self.done = 0
+        self.total, self.lines = total, enabled and not Console(stderr=True).is_terminal
+        self.started = time.perf_counter()
         self.progress = Progress(
             TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(),
             TextColumn("pass@1 {task.fields[accuracy]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-            disable=not enabled,
+            disable=not enabled or self.lines, console=Console(stderr=True),
         )  # fmt: skip
         self.task = self.progress.add_task("eval", total=total, accuracy="-")
 
@@ -128,4 +137,10 @@ class _RunningAccuracy:
             return
         self.done += 1
         self.correct += task.result() > 0
+        if self.lines and (self.done * 10 // self.total > (self.done - 1) * 10 // self.total):
+            print(
+                f"eval: {self.done}/{self.total} trajectories, pass@1 so far {100 * self.correct / self.done:.1f}%, "
+                f"{time.perf_counter() - self.started:.0f} s",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
         self.progress.update(self.task, advance=1, accuracy=f"{100 * self.correct / self.done:.1f}%")

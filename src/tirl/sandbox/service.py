@@ -95,7 +95,10 @@ async def _local_service(cfg: SandboxConfig) -> AsyncIterator[SandboxClient]:
     if cfg.slots:
         argv += ["--slots", str(cfg.slots)]
     env = {**os.environ, "TIRL_SANDBOX_TOKEN": token}  # the token never shows in `ps`
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+    # Its own process group: Ctrl-C in the terminal (e.g. stopping one `tirl chat` answer) reaches the
+    # parent, which stops the service in order, not the service itself. It dies with its parent
+    # (tirl.lifetime).
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, process_group=0)
     url = f"http://127.0.0.1:{port}"
     try:
         await _wait_healthy(url, token, proc, cfg.start_timeout_s)

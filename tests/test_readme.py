@@ -1,0 +1,266 @@
+"""The README's quickstart runs as written: every shell command and the Python snippet of its
+"Quickstart, command by command" section, in README order, in one fresh run directory.
+
+Only sizes shrink (fewer steps, samples and tokens, a tiny model for the 14B one, small local benchmark
+files, a free port for 8080): SMALL below holds one rule per README command, and a README command
+without a rule fails the test, so the README and the code cannot drift apart. What each rule changes is
+stated next to it. Nothing is mocked: real engines (vLLM on CPU for `--engine vllm`), the real sandbox
+service, real math-verify, torchrun with 2 FSDP processes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SECTION = ("## Quickstart, command by command", "## Configuration")
+
+# The demo at the smallest size that still runs every phase (as tests/demo/test_demo.py).
+MICRO_DEMO = [
+    "demo.preset=tiny", "demo.drill_steps=1", "demo.copy_drills=8", "drills.batch_size=8",
+    "demo.sft_problems=24", "demo.rl_problems=8", "demo.heldout_problems=4", "demo.rl_steps=1",
+    "sft.epochs=1", "train.algorithm.prompts_per_step=2", "train.algorithm.group_size=2",
+    "eval.samples=1", "train.engine.backend=hf", "agent.max_response_tokens=96",
+    "agent.max_turn_tokens=48", "eval.max_tokens=96",
+]  # fmt: skip
+# One RL step of 2 prompts x 2 rollouts on the hf engine, in-process sandbox (for the rstar2 recipe).
+SMALL_RL = [
+    "engine.backend=hf", "engine.device=cpu", "engine.num_engines=1", "engine.max_model_len=512",
+    "engine.dtype=auto", "agent.max_response_tokens=32", "agent.max_turns=2", "sandbox.mode=inprocess",
+    "reward.workers=1", "algorithm.prompts_per_step=2", "algorithm.group_size=2", "optim.device=cpu",
+    "optim.gradient_checkpointing=false", "optim.micro_batch_tokens=2048", "logging.tensorboard=false",
+    "rollout_concurrency=8", "stages=[{name: stage1, steps: 1, data: runs/demo/data/rl_train.jsonl}]",
+]  # fmt: skip
+SMALL_SFT = [
+    "model=runs/tiny", "data=[runs/demo/data/sft_traces.jsonl]", "epochs=1", "batch_size=8",
+    "max_length=256", "optim.device=cpu", "optim.gradient_checkpointing=false",
+    "optim.micro_batch_tokens=2048", "logging.tensorboard=false",
+]  # fmt: skip
+
+
+@dataclass
+class Rule:
+    """How one README command runs small: token replacements and extra arguments."""
+
+    replace: dict[str, str] = field(default_factory=dict)
+    extra: list[str] = field(default_factory=list)
+    stdin: str | None = None
+
+
+SMALL: dict[str, Rule] = {
+    # `make demo` is `make install` (what CI has just done) + `tirl demo`.
+    "make demo": Rule(extra=MICRO_DEMO),
+    "tirl demo --compare grpo": Rule(extra=MICRO_DEMO),
+    "tirl sft --config src/tirl/configs/demo/sft.yaml": Rule(extra=["batch_size=8"]),
+    "tirl train --config src/tirl/configs/demo/train.yaml": Rule(
+        extra=[
+            "engine.backend=hf",
+            "algorithm.prompts_per_step=2",
+            "algorithm.group_size=2",
+            "stages=[{name: synthetic, steps: 1, data: runs/demo/data/rl_train.jsonl}]",
+        ]
+    ),
+    "tirl eval --config src/tirl/configs/demo/eval.yaml": Rule(extra=["--samples", "1", "--limit", "2"]),
+    "tirl sandbox serve": Rule(),  # started in the background; the port is a free one
+    "curl": Rule(),
+    "tirl sandbox features": Rule(),
+    "tirl sandbox bench": Rule(extra=["--calls", "5", "--concurrency", "1", "--rss-calls", "0"]),
+    "tirl model init": Rule(),
+    # The 14B model is not here (no network): the tiny model made by `model init` stands in for it.
+    "tirl eval --model Qwen/Qwen3-14B": Rule(
+        replace={"Qwen/Qwen3-14B": "runs/tiny", "16": "1", "30": "2", "30000": "24"}, extra=["--limit", "1"]
+    ),
+    "tirl eval --model runs/demo/rl": Rule(replace={"4": "1", "20": "2"}, extra=["--max-tokens", "48"]),
+    "tirl chat": Rule(extra=["--max-tokens", "32"], stdin="What is 2+3?\n"),
+    "tirl sft --config src/tirl/configs/rstar2/sft.yaml": Rule(extra=SMALL_SFT),
+    "tirl train --config src/tirl/configs/rstar2/train.yaml": Rule(extra=SMALL_RL),
+    "torchrun": Rule(
+        replace={"--nproc_per_node=8": "--nproc_per_node=2"}, extra=[*SMALL_RL, "run_name=fsdp"]
+    ),
+    "tirl data prepare": Rule(),
+    "tirl data filter-hard": Rule(
+        replace={
+            "runs/rstar2/rl/checkpoints/step_000385": "runs/rstar2/rl/checkpoints/step_000001",
+            "8": "2",
+        },
+        extra=SMALL_RL,
+    ),
+}
+
+# Small local copies of the registry benchmarks the README names (no network), and training files.
+BENCHMARK_FILES = {
+    "aime2024.jsonl": [("a1", "Find the remainder when 7^5 is divided by 1000.", "807")],
+    "aime2025.jsonl": [("a2", "How many positive divisors does 360 have?", "24")],
+    "math500.jsonl": [("m1", "What is the sum of the first 10 positive integers?", "55")],
+}
+TRAINING_FILES = {
+    "dapo.jsonl": [
+        ("d1", "What is the sum of the first 10 positive integers? Give the sum.", "55"),
+        ("d2", "Compute 12 * 13.", "156"),
+        ("d3", "Simplify 1/2 + 1/3.", "5/6"),
+    ],
+    "aops.jsonl": [("o1", "Compute 12 * 13.", "156"), ("o2", "How many primes are below 30?", "10")],
+}
+
+
+def quickstart() -> list[tuple[str, str]]:
+    """(language, text) of every fenced block in the quickstart section."""
+    text = README.read_text()
+    start, end = text.index(SECTION[0]), text.index(SECTION[1])
+    return re.findall(r"```(\w+)\n(.*?)```", text[start:end], flags=re.S)
+
+
+def shell_commands(block: str) -> list[list[str]]:
+    """A block's commands as argv lists: continuations joined, comments and `[optional ...]` parts dropped,
+    `a; b` split."""
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        lex = shlex.shlex(line, posix=True, punctuation_chars=";")
+        lex.whitespace_split, lex.commenters = True, "#"
+        argv, optional = [], False
+        for token in lex:
+            if token == ";":
+                commands.append(argv)
+                argv = []
+            elif (token.startswith("[") and not token.startswith("[{")) or optional:
+                optional = not token.endswith("]")
+            else:
+                argv.append(token)
+        if argv:
+            commands.append(argv)
+    return [c for c in commands if c]
+
+
+def rule_for(argv: list[str]) -> tuple[str, Rule]:
+    line = " ".join(a.removeprefix(".venv/bin/") for a in argv)
+    matches = [key for key in SMALL if line.startswith(key)]
+    assert matches, (
+        f"README command `{' '.join(argv)}` has no small-size rule in tests/test_readme.py: add one"
+    )
+    key = max(matches, key=len)
+    return key, SMALL[key]
+
+
+def small(argv: list[str], rule: Rule, port: int) -> list[str]:
+    argv = [rule.replace.get(a, a) for a in argv] + rule.extra
+    argv = [a.replace("8080", str(port)) for a in argv]
+    if argv[0] == "make":  # `make demo` = `tirl demo` after `make install`
+        argv = ["tirl", "demo", *argv[2:]]
+    if argv[0].endswith("tirl"):
+        return [sys.executable, "-m", "tirl.cli", *argv[1:]]
+    if argv[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    if argv[0] == "curl":  # an HTTP error is an error
+        return ["curl", "--fail-with-body", "-sS", *argv[1:]]
+    return argv
+
+
+def write_problems(path: Path, rows) -> None:
+    path.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in rows))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rundir(tmp_path_factory) -> tuple[Path, dict]:
+    """A fresh directory laid out like the repository root (src/ is the repo's), with small data files."""
+    cwd = tmp_path_factory.mktemp("readme")
+    (cwd / "src").symlink_to(ROOT / "src")
+    data = cwd / "benchmarks"
+    data.mkdir()
+    for name, rows in BENCHMARK_FILES.items():
+        write_problems(data / name, rows)
+    for name, rows in TRAINING_FILES.items():
+        write_problems(cwd / name, rows)
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "TIRL_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1"}
+    return cwd, env
+
+
+def run(argv: list[str], cwd: Path, env: dict, stdin: str | None = None) -> str:
+    done = subprocess.run(argv, cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"`{shlex.join(argv)}` exited {done.returncode}:\n{output[-4000:]}"
+    assert "Traceback" not in output, f"`{shlex.join(argv)}` printed a traceback:\n{output[-4000:]}"
+    return output
+
+
+def wait_healthy(port: int, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while subprocess.run(["curl", "-sf", f"localhost:{port}/health"], capture_output=True).returncode != 0:
+        assert server.poll() is None, server.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the sandbox service never became healthy"
+        time.sleep(0.2)
+
+
+def run_python(snippet: str, cwd: Path, env: dict) -> None:
+    """The snippet as a user pastes it into `python -m asyncio` (top-level await)."""
+    code = (
+        "import ast, asyncio\n"
+        f"src = {snippet!r}\n"
+        f"coro = eval(compile(src, 'README', 'exec', flags={ast.PyCF_ALLOW_TOP_LEVEL_AWAIT}))\n"
+        "asyncio.run(coro) if asyncio.iscoroutine(coro) else None\n"
+    )
+    output = run([sys.executable, "-c", code], cwd, env)
+    assert output.startswith("ok 42"), output
+
+
+@pytest.mark.slow
+def test_every_quickstart_command_runs_as_written(rundir):
+    cwd, env = rundir
+    port = free_port()
+    server = None
+    ran = []
+    try:
+        for language, block in quickstart():
+            if language == "python":
+                run_python(block, cwd, env)
+                ran.append("python snippet")
+                continue
+            for argv in shell_commands(block):
+                key, rule = rule_for(argv)
+                command = small(argv, rule, port)
+                if key == "tirl sandbox serve":  # a server: it runs while the commands below it talk to it
+                    server = subprocess.Popen(
+                        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                    )
+                    wait_healthy(port, server)
+                else:
+                    run(command, cwd, env, rule.stdin)
+                ran.append(key)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    assert set(ran) >= set(SMALL), f"rules for commands the README no longer has: {set(SMALL) - set(ran)}"
+    assert (cwd / "runs" / "demo" / "summary.json").is_file() and (cwd / "train.jsonl").is_file()
+
+
+def test_the_quickstart_parses_into_known_commands():
+    """Fast guard (every `make test-fast`): each README command has a rule, and the snippet compiles."""
+    blocks = quickstart()
+    commands = [argv for language, block in blocks if language == "bash" for argv in shell_commands(block)]
+    keys = {rule_for(argv)[0] for argv in commands}
+    assert keys == set(SMALL), set(SMALL) ^ keys
+    assert ["curl", "-s", "localhost:8080/health"] in commands  # `a; b` splits, comments drop
+    serve = next(argv for argv in commands if argv[1:3] == ["sandbox", "serve"])
+    assert serve == [".venv/bin/tirl", "sandbox", "serve", "--port", "8080"]  # [optional ...] dropped
+    (snippet,) = [block for language, block in blocks if language == "python"]
+    compile(snippet, "README", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
