@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from tirl.data.decontaminate import IGNORE_COMMON, NGRAM
 from tirl.lifetime import adopt_parent_death
 
 adopt_parent_death()  # a `tirl sandbox serve` (or vLLM engine) started by a tirl command dies with it
+# transformers draws a progress bar for every model load and save (every checkpoint); tirl prints its own.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Agentic RL for math with a sandboxed Python tool (rStar2-Agent): sandbox service, SFT, "
+    "GRPO-RoC training, evaluation, chat, and a tiny CPU demo. Start with `tirl demo`.",
+)
 sandbox_app = typer.Typer(no_args_is_help=True, help="The sandboxed Python execution service.")
 model_app = typer.Typer(no_args_is_help=True, help="Create models (tiny presets for CPU experiments).")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare and filter training problems.")
@@ -111,7 +120,12 @@ def sandbox_features(slots: int = typer.Option(1, help="Slots to start for the c
 @model_app.command("init")
 def model_init(
     out: str = typer.Option(..., "--out", help="Directory to write the model and tokenizer to."),
-    preset: str = typer.Option("tiny", "--preset", help="tiny (~1M params, tests) or small (~5M, the demo)."),
+    preset: str = typer.Option(
+        "tiny",
+        "--preset",
+        help="tiny (~1M params: the tests), demo (~1M, 2 layers x 16 heads, one token per integer < 1000: "
+        "`tirl demo`'s) or small (~5M).",
+    ),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Create a tiny Qwen3-architecture model with a locally trained tokenizer (no network)."""

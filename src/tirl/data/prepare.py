@@ -70,11 +70,17 @@ def _overlap_lines(name: str | Path, found, ignore_common: int | None, top: int 
     lines = []
     if found.matched:
         lines.append(f"{name}: n-grams that dropped training problems (most frequent first):")
-        lines += [f"  {count:6d}  {' '.join(g)}" for g, count in found.matched.most_common(top)]
+        lines += _top(found.matched, top)
     if found.ignored:
         lines.append(
             f"{name}: ignored {len(found.ignored)} common n-grams (in > {ignore_common} training problems; "
             "--ignore-common 0 for the paper's literal rule), e.g.:"
         )
-        lines += [f"  {count:6d}  {' '.join(g)}" for g, count in found.ignored.most_common(top)]
+        lines += _top(found.ignored, top)
     return lines
+
+
+def _top(counts, top: int) -> list[str]:
+    """The most frequent n-grams, ties in alphabetical order (the same output on every run)."""
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top]
+    return [f"  {count:6d}  {' '.join(gram)}" for gram, count in ranked]

@@ -68,6 +68,9 @@ def plot_curve(
             label=LABELS.get(name, name),
         )
     ax.set(title=title, xlabel="RL step", ylabel=ylabel)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers (no 0.5 ticks)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
