@@ -9,12 +9,19 @@ import pytest
 
 from tirl.agent.config import AgentConfig
 from tirl.agent.protocol import build_prompt_text, count_answer_blocks, parse_tool_calls
-from tirl.demo.sft_traces import TraceMix, buggy_variant, copy_drills, make_traces, write_traces
-from tirl.demo.synthetic import generate
+from tirl.demo.sft_traces import (
+    FAILURES,
+    TraceMix,
+    copy_drills,
+    failed_attempt,
+    make_traces,
+    write_traces,
+)
+from tirl.demo.synthetic import generate, guess_range
 from tirl.reward import score
 
 SCHEMA = {"name": "python", "parameters": {"properties": {"code": {"type": "string"}}, "required": ["code"]}}
-CFG = AgentConfig(system_prompt="Use the python tool.", user_prompt="{problem}", tool_schema=SCHEMA,
+CFG = AgentConfig(system_prompt="Use the python tool.", user_prompt="{problem}", tool_schema=SCHEMA, tool_timeout=1.0,
                   use_chat_template=False)  # fmt: skip
 
 
@@ -33,7 +40,9 @@ async def traces_of(kind_mix: TraceMix, n: int, sandbox) -> tuple[list, list[dic
 
 @pytest.mark.asyncio(loop_scope="package")
 async def test_clean_traces_call_the_tool_once_and_answer_correctly(sandbox):
-    problems, traces = await traces_of(TraceMix(no_tool=0, code_fix=0, redundant_answer=0), 6, sandbox)
+    problems, traces = await traces_of(
+        TraceMix(no_tool=0, code_fix=0, give_up=0, redundant_answer=0), 6, sandbox
+    )
     for p, t in zip(problems, traces, strict=True):
         assert t["kind"] == "tool"
         assert t["prompt"] == build_prompt_text(None, p.problem, CFG)
@@ -45,25 +54,45 @@ async def test_clean_traces_call_the_tool_once_and_answer_correctly(sandbox):
         assert count_answer_blocks(final) == 1
 
 
+# What the real sandbox or the loop's parser says for each kind of failed first call.
+FAILURE_SIGNS = {
+    "syntax": ("[syntax_error", "SyntaxError"),
+    "runtime": ("[runtime_error", "NameError"),
+    "stdin": ("[runtime_error", "EOFError"),
+    "malformed": ("Error: invalid JSON in tool call", "Error: invalid JSON"),
+    "timeout": ("[timeout", "Timed out"),
+}
+
+
 @pytest.mark.asyncio(loop_scope="package")
-async def test_code_fix_traces_show_a_real_error_then_the_fix(sandbox):
-    problems, traces = await traces_of(TraceMix(no_tool=0, code_fix=1, redundant_answer=1), 6, sandbox)
+async def test_code_fix_traces_show_a_real_failure_then_the_fix(sandbox):
+    mix = TraceMix(no_tool=0, code_fix=1, give_up=0, redundant_answer=1)
+    problems, traces = await traces_of(mix, 24, sandbox)
     for p, t in zip(problems, traces, strict=True):
         first, fix, final = turns(t["completion"])
         (bad,) = parse_tool_calls(first, tool_schema=SCHEMA)
         (good,) = parse_tool_calls(fix, tool_schema=SCHEMA)
-        assert bad.code != p.meta["code"] and good.code == p.meta["code"]
-        assert "NameError" in t["completion"] and "[runtime_error," in t["completion"]
+        assert getattr(bad, "code", None) != p.meta["code"] and good.code == p.meta["code"]
+        assert all(sign in t["completion"] for sign in FAILURE_SIGNS[t["failure"]]), t
         assert count_answer_blocks(final) == 2  # redundant_answer=1: a repeated answer block
-        assert score(t["completion"], p.answer) == 1.0
+        assert score(t["completion"], p.answer) == 1.0  # a messy trajectory earns full reward
+    assert {t["failure"] for t in traces} == set(FAILURES)  # 24 problems draw every kind
 
 
 @pytest.mark.asyncio(loop_scope="package")
-async def test_no_tool_traces_guess_a_wrong_number(sandbox):
-    problems, traces = await traces_of(TraceMix(no_tool=1, code_fix=0), 6, sandbox)
+async def test_no_tool_and_give_up_guesses_are_right_only_by_luck(sandbox):
+    problems = generate(160, "train", seed=11)
+    traces = await make_traces(problems, sandbox, CFG, TraceMix(no_tool=0.5, code_fix=0, give_up=0.5), seed=5)
+    right = {"last_digit": 0, "other": 0}
     for p, t in zip(problems, traces, strict=True):
-        assert "<tool_call>" not in t["completion"]
-        assert score(t["completion"], p.answer) == 0.0
+        assert t["kind"] in ("no_tool", "give_up")
+        assert ("<tool_call>" in t["completion"]) == (t["kind"] == "give_up")
+        guessed = int(t["completion"].rsplit("boxed{", 1)[1].split("}")[0])
+        assert guessed in guess_range(p)
+        right["last_digit" if p.meta["family"] == "last_digit" else "other"] += score(
+            t["completion"], p.answer
+        )
+    assert right["other"] == 0 and right["last_digit"] >= 2  # ~20 last_digit guesses, 1 in 3-7 right
 
 
 @pytest.mark.asyncio(loop_scope="package")
@@ -71,12 +100,12 @@ async def test_mix_shares_and_sft_masking(sandbox, tiny_model_dir, tmp_path):
     from tirl.engines.factory import load_tokenizer
     from tirl.rl.sft import read_examples, tokenize_example
 
-    _, traces = await traces_of(TraceMix(no_tool=0.3, code_fix=0.3), 40, sandbox)
+    _, traces = await traces_of(TraceMix(no_tool=0.3, code_fix=0.3, give_up=0.1), 40, sandbox)
     kinds = [t["kind"] for t in traces]
-    assert {"tool", "code_fix", "no_tool"} == set(kinds)
+    assert {"tool", "code_fix", "no_tool", "give_up"} == set(kinds)
     path = write_traces(traces, tmp_path / "traces.jsonl")
     tokenizer = load_tokenizer(tiny_model_dir)
-    example = next(e for e in read_examples([str(path)]) if e["kind"] == "code_fix")
+    example = next(e for e in read_examples([str(path)]) if e["failure"] == "runtime")
     sample, truncated = tokenize_example(tokenizer, example, 4096)
     ids = sample.input_ids
     trained = tokenizer.decode([t for t, m in zip(ids[1:], sample.loss_mask, strict=True) if m])
@@ -88,16 +117,24 @@ async def test_mix_shares_and_sft_masking(sandbox, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.asyncio(loop_scope="package")
-async def test_every_buggy_variant_fails_with_a_name_error(sandbox):
+@pytest.mark.parametrize("kind", FAILURES)
+async def test_every_failed_attempt_fails_its_way(sandbox, kind):
     rng = random.Random(0)
-    for p in generate(12, "train"):
-        result = await sandbox.run(buggy_variant(p.meta["code"], rng))
-        assert result.status == "runtime_error" and "NameError" in result.stderr, result.render()
+    families = ["sum_big"] if kind == "timeout" else None
+    for p in generate(8, "train", families=families):
+        call, code = failed_attempt(p, kind, CFG, rng)
+        (parsed,) = parse_tool_calls(call, tool_schema=SCHEMA)
+        if kind == "malformed":
+            assert not code and "invalid JSON" in parsed.render()
+            continue
+        assert parsed.code == code
+        result = await sandbox.run(code, timeout=1.0)
+        assert all(sign in result.render() for sign in FAILURE_SIGNS[kind]), result.render()
 
 
 def test_mix_must_fit():
-    with pytest.raises(ValueError, match=r"no_tool \+ code_fix"):
-        TraceMix(no_tool=0.8, code_fix=0.5)
+    with pytest.raises(ValueError, match=r"no_tool \+ code_fix \+ give_up"):
+        TraceMix(no_tool=0.6, code_fix=0.3, give_up=0.2)
 
 
 def test_copy_drills_repeat_the_prompt_numbers():

@@ -2,16 +2,22 @@
 
 A trace is exactly what the agent loop would produce for the problem, as text: the loop's prompt
 (tirl.agent.protocol), then assistant turns and tool-response segments rendered by the same protocol
-functions, with the REAL output of each call (run in the sandbox). Written as `{"prompt", "completion"}`
-lines for `tirl sft`, which trains on the completion minus the <tool_response> blocks; so SFT sees the
-very token layout RL samples.
+functions, with the REAL output of each call (run in the sandbox; a malformed call gets the loop's own
+parse error). Written as `{"prompt", "completion"}` lines for `tirl sft`, which trains on the
+completion minus the <tool_response> blocks; so SFT sees the very token layout RL samples.
 
-The mix makes the SFT policy capable but unreliable, so RL has something to learn:
+The mix makes the SFT policy capable but unreliable, and puts it in the paper's noisy-success regime
+(outcome-only reward credits messy trajectories), so RL, and RoC in particular, has something to fix:
   - tool:     plan, one correct call, read the output, answer;
-  - code_fix: the first call has a bug (NameError, typo, missing import), the error comes back, the
-              next turn fixes it (RoC's p_err prefers correct trajectories without such detours);
-  - no_tool:  a guess without running code (usually wrong: RL learns that the tool pays off);
+  - code_fix: the first call fails, the error comes back, the next turn runs the right code and
+              answers correctly. Failures of five kinds (FAILURES): a syntax error, a runtime error
+              (typo, undefined name), reading stdin that was never passed, a malformed call (broken
+              JSON), and a brute force that times out (sum_big, fixed by the closed form);
+  - give_up:  the first call fails and the trace guesses instead (right by luck on last_digit);
+  - no_tool:  a guess without running code (right by luck on last_digit, wrong elsewhere);
   - a few answers repeat the <answer> block (RoC's p_format penalizes it).
+Correct trajectories with failed calls earn the same reward as clean ones; RoC's p_err is what
+prefers the clean ones (the paper's Figure 4).
 
 A model trained from scratch also lacks what pretraining gives for free: copying a digit string it has
 just read (from the problem into code, from the tool's output into the answer). `copy_drills` are
@@ -29,13 +35,23 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tirl.agent.config import AgentConfig
-from tirl.agent.protocol import TOOL_SCHEMA, build_prompt_text, tool_response_text, truncate_middle
+from tirl.agent.protocol import (
+    TOOL_SCHEMA,
+    ToolCallError,
+    build_prompt_text,
+    parse_tool_calls,
+    tool_response_text,
+    truncate_middle,
+)
 from tirl.data.problem import Problem
+from tirl.demo.synthetic import guess_range
 
 END = "<|im_end|>"
 TOOL_PLANS = ("I will compute this with Python.", "Let me run Python to get the exact value.")
 FIX_PLANS = ("The code failed. Let me fix it.", "There is an error in my code; fixing it.")
 GUESS_PLANS = ("This looks easy to estimate: about {g}.", "A rough mental estimate gives {g}.")
+GIVE_UP_PLANS = ("The tool failed. I will estimate instead: about {g}.", "No result; my best guess is {g}.")
+FAILURES = ("syntax", "runtime", "stdin", "malformed", "timeout")  # kinds of failed first calls
 DONE = "The code printed the result.</reason>\n<answer>\\boxed{{{n}}}</answer>"
 
 
@@ -44,14 +60,16 @@ class TraceMix(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    no_tool: float = Field(0.3, ge=0, le=1)
-    code_fix: float = Field(0.15, ge=0, le=1)
+    no_tool: float = Field(0.2, ge=0, le=1)
+    code_fix: float = Field(0.3, ge=0, le=1)
+    give_up: float = Field(0.05, ge=0, le=1)
     redundant_answer: float = Field(0.05, ge=0, le=1)  # of the traces that answer after a tool call
 
     @model_validator(mode="after")
     def _fits(self) -> TraceMix:
-        if self.no_tool + self.code_fix > 1:
-            raise ValueError(f"no_tool + code_fix = {self.no_tool + self.code_fix} > 1")
+        total = self.no_tool + self.code_fix + self.give_up
+        if total > 1:
+            raise ValueError(f"no_tool + code_fix + give_up = {total} > 1")
         return self
 
 
@@ -60,9 +78,11 @@ class _Plan:
     """What one trace will do, decided before any code runs."""
 
     problem: Problem
-    kind: str  # tool | code_fix | no_tool
+    kind: str  # tool | code_fix | give_up | no_tool
     redundant: bool
-    buggy_code: str = ""
+    failure: str = ""  # one of FAILURES for code_fix and give_up
+    failed_call: str = ""  # the text of the failed <tool_call> block
+    failed_code: str = ""  # what that call runs ("" when it is malformed and runs nothing)
     seed: int = 0  # picks the phrasings
 
 
@@ -73,41 +93,59 @@ def tool_call_text(code: str, cfg: AgentConfig) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": {"code": code}}) + "\n</tool_call>"
 
 
-def buggy_variant(code: str, rng: random.Random) -> str:
-    """A realistic first attempt that fails: a typo, a wrong variable, or a missing import."""
-    body = code.removeprefix("import math\n")
-    expr = body.removeprefix("print(").removesuffix(")")
-    variants = [body.replace("print(", "prnt(", 1), f"result = {expr}\nprint(answer)"]
-    if code.startswith("import math\n"):
-        variants.append(body)  # math.lcm without the import
-    return rng.choice(variants)
+def failed_attempt(problem: Problem, kind: str, cfg: AgentConfig, rng: random.Random) -> tuple[str, str]:
+    """A realistic first call that fails in the way `kind` names: (call text, code it runs or "")."""
+    code = _code_of(problem)
+    lines = code.split("\n")
+    if kind == "timeout":
+        code = problem.meta["brute_force"]
+    elif kind == "syntax":
+        code = code[:-1]  # the closing parenthesis of print( is missing
+    elif kind == "runtime":
+        typo = "\n".join([*lines[:-1], lines[-1].replace("print(", "prnt(", 1)])
+        code = rng.choice([typo, f"{code.replace('print(', 'result = (', 1)}\nprint(answer)"])
+    elif kind == "stdin":
+        code = "x = int(input())\n" + code  # reads stdin, but the call passes none: EOFError
+    elif kind == "malformed":
+        return tool_call_text(code, cfg)[: -len("}\n</tool_call>")] + "\n</tool_call>", ""
+    else:
+        raise ValueError(f"unknown failure kind {kind!r}; choose from {', '.join(FAILURES)}")
+    return tool_call_text(code, cfg), code
 
 
-def guess(answer: str, rng: random.Random) -> str:
-    """A number of the answer's size that is almost surely wrong (the model's head cannot do this)."""
-    n = len(answer.lstrip("-"))
-    while True:
-        g = str(rng.randint(10 ** (n - 1) if n > 1 else 0, 10**n - 1))
-        if g != answer:
-            return g
+def failure_kinds(problem: Problem) -> tuple[str, ...]:
+    """The failures a first attempt at `problem` can have; a brute force only where it would time out."""
+    if "brute_force" in problem.meta:
+        return ("timeout",) * 4 + FAILURES[:-1]  # the obvious attempt is usually the slow one
+    return FAILURES[:-1]
 
 
-def plan_traces(problems: list[Problem], mix: TraceMix, seed: int = 0) -> list[_Plan]:
+def guess(problem: Problem, rng: random.Random) -> str:
+    """A guess from the problem's plausible answers: right by luck only where they are few."""
+    return str(rng.choice(guess_range(problem)))
+
+
+def plan_traces(problems: list[Problem], mix: TraceMix, cfg: AgentConfig, seed: int = 0) -> list[_Plan]:
     rng = random.Random(seed)
+    bounds = (("no_tool", mix.no_tool), ("code_fix", mix.code_fix), ("give_up", mix.give_up))
     plans = []
     for p in problems:
-        code = _code_of(p)
-        r = rng.random()
-        kind = "no_tool" if r < mix.no_tool else "code_fix" if r < mix.no_tool + mix.code_fix else "tool"
-        plans.append(
-            _Plan(
-                problem=p,
-                kind=kind,
-                redundant=kind != "no_tool" and rng.random() < mix.redundant_answer,
-                buggy_code=buggy_variant(code, rng) if kind == "code_fix" else "",
-                seed=rng.randrange(1 << 30),
-            )
+        r, kind, edge = rng.random(), "tool", 0.0
+        for name, share in bounds:
+            edge += share
+            if r < edge:
+                kind = name
+                break
+        plan = _Plan(
+            problem=p,
+            kind=kind,
+            redundant=kind in ("tool", "code_fix") and rng.random() < mix.redundant_answer,
         )
+        if kind in ("code_fix", "give_up"):
+            plan.failure = rng.choice(failure_kinds(p))
+            plan.failed_call, plan.failed_code = failed_attempt(p, plan.failure, cfg, rng)
+        plan.seed = rng.randrange(1 << 30)
+        plans.append(plan)
     return plans
 
 
@@ -124,17 +162,22 @@ def render_trace(plan: _Plan, outputs: dict[str, str], cfg: AgentConfig) -> dict
     """One {"prompt", "completion"} example; `outputs` maps code -> the tool-response text it produced."""
     p, rng = plan.problem, random.Random(plan.seed)
     prompt = build_prompt_text(None, p.problem, cfg)
+    example = {"prompt": prompt, "kind": plan.kind, "failure": plan.failure, "id": p.id}
     if plan.kind == "no_tool":
-        g = guess(p.answer, rng)
+        g = guess(p, rng)
         text = rng.choice(GUESS_PLANS).format(g=g) + f"</reason>\n<answer>\\boxed{{{g}}}</answer>{END}"
-        return {"prompt": prompt, "completion": text, "kind": plan.kind, "id": p.id}
+        return example | {"completion": text}
     code = _code_of(p)
     parts = [rng.choice(TOOL_PLANS) + "\n"]
-    if plan.kind == "code_fix":
-        parts += [
-            tool_call_text(plan.buggy_code, cfg),
-            tool_response_text([outputs[plan.buggy_code]], cfg, False),
-        ]
+    if plan.failure:
+        parts += [plan.failed_call, tool_response_text([_failed_response(plan, outputs, cfg)], cfg, False)]
+    if plan.kind == "give_up":
+        g = guess(p, rng)
+        parts.append(
+            rng.choice(GIVE_UP_PLANS).format(g=g) + f"</reason>\n<answer>\\boxed{{{g}}}</answer>{END}"
+        )
+        return example | {"completion": "".join(parts)}
+    if plan.failure:
         parts.append(rng.choice(FIX_PLANS) + "\n")
     parts += [tool_call_text(code, cfg), tool_response_text([outputs[code]], cfg, False)]
     result = _printed_value(outputs[code])
@@ -142,7 +185,16 @@ def render_trace(plan: _Plan, outputs: dict[str, str], cfg: AgentConfig) -> dict
     if plan.redundant:
         final += f"\n<answer>\\boxed{{{result}}}</answer>"
     parts.append(final + END)
-    return {"prompt": prompt, "completion": "".join(parts), "kind": plan.kind, "id": p.id}
+    return example | {"completion": "".join(parts)}
+
+
+def _failed_response(plan: _Plan, outputs: dict[str, str], cfg: AgentConfig) -> str:
+    """What the loop sends back for the failed call: the sandbox's output, or the parse error."""
+    if plan.failed_code:
+        return outputs[plan.failed_code]
+    (error,) = parse_tool_calls(plan.failed_call, tool_schema=cfg.tool_schema)
+    assert isinstance(error, ToolCallError), f"the malformed call parsed: {plan.failed_call!r}"
+    return error.render()
 
 
 def _printed_value(response: str) -> str:
@@ -159,9 +211,9 @@ async def make_traces(
             "SFT traces render the built-in ChatML prompt: set agent.use_chat_template=false in the "
             "config the traces are made for (the loop must render the same prompt)"
         )
-    plans = plan_traces(problems, mix or TraceMix(), seed)
+    plans = plan_traces(problems, mix or TraceMix(), cfg, seed)
     snippets = sorted(
-        {c for pl in plans if pl.kind != "no_tool" for c in (_code_of(pl.problem), pl.buggy_code) if c}
+        {c for pl in plans if pl.kind != "no_tool" for c in (_code_of(pl.problem), pl.failed_code) if c}
     )
     gate = asyncio.Semaphore(64)
 
@@ -176,7 +228,10 @@ async def make_traces(
 
     outputs = dict(zip(snippets, await asyncio.gather(*(run(c) for c in snippets)), strict=True))
     for pl in plans:
-        if pl.kind != "no_tool" and _printed_value(outputs[_code_of(pl.problem)]) != pl.problem.answer:
+        if (
+            pl.kind in ("tool", "code_fix")
+            and _printed_value(outputs[_code_of(pl.problem)]) != pl.problem.answer
+        ):
             raise RuntimeError(
                 f"reference code of {pl.problem.id} did not print its answer: {outputs[_code_of(pl.problem)]!r}"
             )

@@ -6,6 +6,14 @@ every such number is one token, so copying it into code and out of the tool's ou
 number (tirl.tiny_model). The code only COPIES numbers from the statement (no mental arithmetic such as
 `n + 1`), so a tiny model can learn to write it, while guessing the answer without running it fails.
 
+Two families make the paper's noisy-success regime exist (see tirl.demo.sft_traces for the errors):
+  - sum_big: the obvious brute force (`sum(range(...))` over hundreds of millions) TIMES OUT; only the
+    closed form runs in time, the tiny-scale stand-in for slow brute-force code in competition math;
+  - last_digit: the last digit of b^e in a small base has 3-7 possible values, so a guess without the
+    tool is right by luck 14-33% of the time: outcome-only reward credits it like a real solution.
+`answer_range` says where a guess lands (the whole small base for last_digit; numbers of the answer's
+size otherwise, which are almost never right).
+
 The split is a property of the problem, not of the seed: a problem is held out when a hash of its
 text falls in the held-out bucket, so the training and held-out sets are disjoint by construction.
 """
@@ -35,6 +43,8 @@ class TaskFamily:
     phrasings: tuple[str, ...]  # str.format templates over the parameters
     code: str  # str.format template: Python that prints the answer
     solve: Callable[..., int]  # the answer computed directly (checked against the code in tests)
+    brute_force: str = ""  # str.format template: an obvious first attempt that times out
+    answer_range: Callable[..., range] | None = None  # where a guess without the tool lands
 
 
 def _is_prime(k: int) -> bool:
@@ -99,6 +109,28 @@ FAMILIES: tuple[TaskFamily, ...] = (
         code="print(sum(1 for k in range(2, {n}) if all(k % d for d in range(2, int(k ** 0.5) + 1))))",
         solve=lambda n: sum(_is_prime(k) for k in range(2, n)),
     ),
+    TaskFamily(
+        name="sum_big",
+        sample=lambda r: {"n": r.randint(200, 999), "m": r.randint(101, 999)},
+        phrasings=(
+            "What is 1 + 2 + ... + {n} million, modulo {m}?",
+            "Find the sum of all integers from 1 to {n} million, modulo {m}.",
+        ),
+        code="N = {n} * 10**6\nprint(N * (N + 1) // 2 % {m})",
+        solve=lambda n, m: (n * 10**6) * (n * 10**6 + 1) // 2 % m,
+        brute_force="print(sum(range(1, {n} * 10**6 + 1)) % {m})",
+    ),
+    TaskFamily(
+        name="last_digit",
+        sample=lambda r: {"b": r.randint(11, 99), "e": r.randint(20, 999), "m": r.randint(3, 7)},
+        phrasings=(
+            "What is the last digit of {b}^{e} written in base {m}?",
+            "Find the last base-{m} digit of {b} to the power {e}.",
+        ),
+        code="print(pow({b}, {e}, {m}))",
+        solve=lambda b, e, m: pow(b, e, m),
+        answer_range=lambda b, e, m: range(m),
+    ),
 )
 FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -117,7 +149,8 @@ def make_problem(family: TaskFamily, rng: random.Random) -> Problem:
         problem=text,
         answer=str(family.solve(**params)),
         source=SOURCE,
-        meta={"family": family.name, "params": params, "code": family.code.format(**params)},
+        meta={"family": family.name, "params": params, "code": family.code.format(**params)}
+        | ({"brute_force": family.brute_force.format(**params)} if family.brute_force else {}),
     )
 
 
@@ -150,6 +183,15 @@ def generate(
         seen.add(problem.problem)
         problems.append(problem)
     return problems
+
+
+def guess_range(problem: Problem) -> range:
+    """Where a guess without the tool lands: the family's answer range, else numbers of the answer's size."""
+    family = FAMILY_BY_NAME.get(problem.meta.get("family", ""))
+    if family is not None and family.answer_range is not None:
+        return family.answer_range(**problem.meta["params"])
+    n = len(problem.answer.lstrip("-"))
+    return range(10 ** (n - 1) if n > 1 else 0, 10**n)
 
 
 def _family(name: str) -> TaskFamily:
