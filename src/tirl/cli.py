@@ -359,6 +359,9 @@ def demo(
     compare: str | None = typer.Option(
         None, "--compare", help="Also train a baseline with the same budget: 'grpo' (RoC off)."
     ),
+    seeds: int = typer.Option(
+        1, "--seeds", help="RL runs per algorithm (from one SFT model); mean and 95% interval."
+    ),
     progress: bool = typer.Option(True, "--progress/--quiet"),
 ) -> None:
     """The tiny CPU experiment: SFT -> held-out eval -> GRPO-RoC -> eval -> report (minutes on 2 cores).
@@ -369,7 +372,7 @@ def demo(
     from tirl.demo import DemoError, run_demo
 
     try:
-        run_demo(out, compare=compare, overrides=ctx.args, progress=progress)
+        run_demo(out, compare=compare, overrides=ctx.args, progress=progress, seeds=seeds)
     except (ConfigError, DemoError) as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -377,6 +380,33 @@ def demo(
             f"interrupted; partial outputs are in {out}; `tirl demo` starts over when run again", err=True
         )
         raise typer.Exit(130) from None
+
+
+@app.command("analyze")
+def analyze_command(
+    trajectories: str = typer.Option(
+        ..., "--trajectories", help="trajectories.jsonl written by `tirl eval`."
+    ),
+    model: str = typer.Option(..., "--model", help="The policy that scores the tokens (e.g. the SFT model)."),
+    model2: str | None = typer.Option(
+        None, "--model2", help="A second policy on the same tokens (e.g. after RL)."
+    ),
+    out: str = typer.Option("runs/analyze", "--out", help="Where report.md, analysis.json and the plot go."),
+    top: float = typer.Option(0.2, "--top", help="Share of generated tokens that count as high-entropy."),
+    window: int = typer.Option(
+        16, "--window", help="Generated tokens after a tool response that are reflection."
+    ),
+    limit: int | None = typer.Option(None, "--limit", help="Analyze only the first N trajectories."),
+) -> None:
+    """High-entropy tokens (the paper's Section 7): forking tokens vs reflection tokens after tool responses."""
+    from tirl.analysis import analyze
+    from tirl.analysis.entropy import AnalysisError
+
+    try:
+        analyze(trajectories, [model] + ([model2] if model2 else []), out, top, window, limit)
+    except AnalysisError as e:
+        _fail(e)
+    typer.echo(f"wrote {out}/report.md, analysis.json, entropy_trajectory.png")
 
 
 # ---- data (tirl.data, tirl.rl) ----

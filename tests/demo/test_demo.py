@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tirl.config import ConfigError
+from tirl.config import ConfigError, read_yaml
 from tirl.demo.pipeline import (
     MARKER,
     DemoError,
@@ -108,3 +108,38 @@ def test_micro_demo_end_to_end(tmp_path):
     assert len(trajectories) == 4  # 4 held-out problems x 1 sample
     report = (out / "report.md").read_text()
     assert "GRPO-RoC" in report and "heldout_accuracy.png" in report
+
+    # `tirl analyze` reads what the demo's evaluation wrote, scored by the SFT and the RL model.
+    from tirl.analysis import analyze
+    from tirl.rl.checkpoint import latest_model_dir
+
+    models = [latest_model_dir(out / "sft"), latest_model_dir(out / "rl")]
+    analysis = analyze(out / "eval_rl" / "trajectories.jsonl", models, out / "analysis")
+    generated = sum(sum(json.loads(t)["loss_mask"]) for t in trajectories)
+    for res in analysis["results"].values():
+        assert sum(res["generated"].values()) == generated
+
+
+def test_micro_comparison_over_seeds(tmp_path):
+    out = tmp_path / "demo"
+    summary = run_demo(out, compare="grpo", seeds=2, overrides=[*MICRO, "demo.rl_steps=2"], progress=False)
+    comparison = summary["comparison"]
+    assert comparison["seeds"] == 2
+    for run in ("rl", "grpo"):
+        accuracies = [summary["eval"][f"{run}_seed{k}"]["accuracy"] for k in (0, 1)]
+        assert comparison["heldout_accuracy"][run]["per_seed"] == accuracies
+        rewards = [
+            [
+                json.loads(x)["reward/mean"]
+                for x in (out / f"{run}_seed{k}" / "metrics.jsonl").read_text().splitlines()
+            ]
+            for k in (0, 1)
+        ]
+        band = comparison["curves"]["reward/mean"][run]
+        assert [band[s]["mean"] for s in (1, 2)] == pytest.approx(
+            [(a + b) / 2 for a, b in zip(*rewards, strict=True)]
+        )
+    seeds = [read_yaml(out / f"rl_seed{k}" / "config.yaml")["seed"] for k in (0, 1)]
+    assert seeds == [0, 1]
+    report = (out / "report.md").read_text()
+    assert "Comparison over 2 seeds" in report and "figure4.png" in report and "figure9.png" in report

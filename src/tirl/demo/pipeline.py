@@ -6,7 +6,8 @@ is evaluated on held-out synthetic problems (tirl.demo.synthetic), trained with
 GRPO-RoC against the real sandbox and reward, and evaluated again with the same settings. Everything
 lands under one output directory: models, metrics JSONL, evaluation reports, PNG plots, report.md and
 summary.json. `--compare grpo` also trains plain GRPO (RoC off) with the same budget, for the paper's
-Figure 4 (tool-error ratio inside correct trajectories) at tiny scale.
+Figure 4 (tool-error ratio inside correct trajectories) at tiny scale; `--seeds N` repeats both RL
+runs (not SFT) with N seeds and reports every curve with its 95% interval (tirl.demo.seeds).
 """
 
 from __future__ import annotations
@@ -144,16 +145,23 @@ def run_demo(
     overrides: list[str] | None = None,
     config_dir: str | Path = CONFIG_DIR,
     progress: bool = True,
+    seeds: int = 1,
 ) -> dict:
-    """The whole experiment; returns the summary (also written to OUT/summary.json)."""
+    """The whole experiment; returns the summary (also written to OUT/summary.json).
+
+    `seeds` RL runs per algorithm (seeds demo.seed, demo.seed + 1, ...), all from the one SFT model."""
     from rich.console import Console
 
     if compare is not None and compare not in COMPARE:
         raise ConfigError(f"--compare {compare!r}: the only baseline is {', '.join(COMPARE)}")
+    if seeds < 1:
+        raise ConfigError(f"--seeds {seeds}: give at least 1")
     settings = load_settings(config_dir, overrides)
     out = prepare_out(out)
     console = Console(stderr=True, quiet=not progress)
-    phase = Phases(console, out, total=9 + 2 * (compare is not None))
+    runs: dict[str, str | None] = {"rl": None} | ({compare: COMPARE[compare]} if compare else {})
+    units = [(k, name) for k in range(seeds) for name in runs]  # one RL run + its evaluation each
+    phase = Phases(console, out, total=7 + 2 * len(units))
     started = time.perf_counter()
     with phase("model", f"create the {settings.demo.preset!r} tiny model"):
         init_model = _create_model(settings.demo, out)
@@ -168,17 +176,22 @@ def run_demo(
         sft_model = _sft(settings.sft, settings, drilled, out / "data" / "sft_traces.jsonl", out, progress)
     with phase("eval_sft", "evaluate the SFT model on held-out problems"):
         evals = {"sft": asyncio.run(_evaluate(settings, sft_model, heldout, out / "eval_sft", progress))}
-    runs: dict[str, str | None] = {"rl": None} | ({compare: COMPARE[compare]} if compare else {})
-    train_dirs = {}
-    for name, roc in runs.items():
+    train_dirs, groups = {}, {name: [] for name in runs}
+    rl_started = time.perf_counter()
+    for done, (k, name) in enumerate(units):
+        roc, tag, seed = runs[name], name if seeds == 1 else f"{name}_seed{k}", settings.demo.seed + k
         algo = "GRPO-RoC" if roc is None else f"plain GRPO (roc={roc})"
-        with phase(name, f"{algo}: {settings.demo.rl_steps} steps from the SFT model"):
-            train_dirs[name], model = _train(settings, sft_model, rl_data, out, name, roc, progress)
-        with phase(f"eval_{name}", f"evaluate the {algo} model on held-out problems"):
-            evals[name] = asyncio.run(_evaluate(settings, model, heldout, out / f"eval_{name}", progress))
+        left = (time.perf_counter() - rl_started) / done * (len(units) - done) if done else None
+        eta = "" if left is None else f", ~{left / 60:.0f} min left"
+        what = f"{algo}: {settings.demo.rl_steps} steps from the SFT model, seed {seed} [{done + 1}/{len(units)}{eta}]"
+        with phase(tag, what):
+            train_dirs[tag], model = _train(settings, sft_model, rl_data, out, tag, roc, progress, seed)
+        with phase(f"eval_{tag}", f"evaluate the {algo} model (seed {seed}) on held-out problems"):
+            evals[tag] = asyncio.run(_evaluate(settings, model, heldout, out / f"eval_{tag}", progress))
+        groups[name].append(tag)
     with phase("report", "write report.md, plots and summary.json"):
         phase.seconds["total"] = round(time.perf_counter() - started, 1)
-        summary = _report(settings, out, evals, train_dirs, phase.seconds)
+        summary = _report(settings, out, evals, train_dirs, groups, phase.seconds)
     console.print(
         f"[bold]held-out accuracy: SFT {summary['sft_accuracy']:.1f}% -> GRPO-RoC {summary['rl_accuracy']:.1f}%"
         + (f", plain GRPO {summary[f'{compare}_accuracy']:.1f}%" if compare else "")
@@ -261,7 +274,15 @@ def _sft(raw: dict, settings: DemoSettings, init_model: Path, data: Path, out: P
     return latest_model_dir(run_sft(cfg, progress=progress))
 
 
-def _train_raw(settings: DemoSettings, model: Path, data: str, out: Path, name: str, roc: str | None = None):
+def _train_raw(
+    settings: DemoSettings,
+    model: Path,
+    data: str,
+    out: Path,
+    name: str,
+    roc: str | None = None,
+    seed: int | None = None,
+):
     raw = json.loads(json.dumps(settings.train))  # a deep copy: both runs start from the same settings
     if roc is not None:
         raw.setdefault("algorithm", {})["roc"] = roc
@@ -270,26 +291,40 @@ def _train_raw(settings: DemoSettings, model: Path, data: str, out: Path, name: 
         "model": str(model),
         "output_dir": str(out),
         "run_name": name,
-        "seed": settings.demo.seed,
+        "seed": settings.demo.seed if seed is None else seed,
         "agent": settings.agent.model_dump(mode="json"),
         "stages": [{"name": stage.get("name", "synthetic"), "steps": settings.demo.rl_steps, "data": data}],
     }
 
 
 def train_config(
-    settings: DemoSettings, model: Path, data: str, out: Path, name: str, roc: str | None = None
+    settings: DemoSettings,
+    model: Path,
+    data: str,
+    out: Path,
+    name: str,
+    roc: str | None = None,
+    seed: int | None = None,
 ) -> TrainConfig:
-    """The TrainConfig of one RL run; `roc` overrides algorithm.roc (the baseline, e.g. "off")."""
-    return TrainConfig.model_validate(_train_raw(settings, model, data, out, name, roc))
+    """The TrainConfig of one RL run; `roc` overrides algorithm.roc (the baseline, e.g. "off"),
+    `seed` the demo's seed."""
+    return TrainConfig.model_validate(_train_raw(settings, model, data, out, name, roc, seed))
 
 
 def _train(
-    settings: DemoSettings, model: Path, data: str, out: Path, name: str, roc: str | None, progress: bool
+    settings: DemoSettings,
+    model: Path,
+    data: str,
+    out: Path,
+    name: str,
+    roc: str | None,
+    progress: bool,
+    seed: int,
 ):
     from tirl.rl.checkpoint import latest_model_dir
     from tirl.rl.trainer import run_training
 
-    run_dir = run_training(train_config(settings, model, data, out, name, roc), progress=progress)
+    run_dir = run_training(train_config(settings, model, data, out, name, roc, seed), progress=progress)
     return run_dir, latest_model_dir(run_dir)
 
 
@@ -360,27 +395,39 @@ def _training_numbers(metrics: list[dict], window: int = 5) -> dict:
     }
 
 
-def _report(settings: DemoSettings, out: Path, evals: dict, train_dirs: dict, seconds: dict) -> dict:
-    from tirl.demo.plots import plot_accuracy, plot_training
+def _report(
+    settings: DemoSettings, out: Path, evals: dict, train_dirs: dict, groups: dict, seconds: dict
+) -> dict:
+    """`evals` and `train_dirs` by run tag (rl, grpo, or rl_seed0, ...); `groups`: run name -> its tags."""
+    from tirl.demo.plots import plot_accuracy, plot_comparison, plot_training
+    from tirl.demo.seeds import summarize
     from tirl.rl.metrics import read_metrics
 
-    numbers = {name: _eval_numbers(report) for name, report in evals.items()}
-    training = {name: read_metrics(d) for name, d in train_dirs.items()}
-    summary = {f"{name}_accuracy": n["accuracy"] for name, n in numbers.items()}
+    numbers = {tag: _eval_numbers(report) for tag, report in evals.items()}
+    training = {tag: read_metrics(d) for tag, d in train_dirs.items()}
+    accuracy = {"sft": [numbers["sft"]["accuracy"]]}
+    accuracy |= {name: [numbers[t]["accuracy"] for t in tags] for name, tags in groups.items()}
+    summary = {f"{name}_accuracy": round(sum(v) / len(v), 2) for name, v in accuracy.items()}
     summary |= {
-        f"{name}_tool_error_ratio_in_correct": n["tool_error_ratio_in_correct"] for name, n in numbers.items()
+        f"{tag}_tool_error_ratio_in_correct": n["tool_error_ratio_in_correct"] for tag, n in numbers.items()
     }
     summary |= {
-        "improvement_points": round(numbers["rl"]["accuracy"] - numbers["sft"]["accuracy"], 2),
+        "improvement_points": round(summary["rl_accuracy"] - summary["sft_accuracy"], 2),
         "eval": numbers,
-        "training": {name: _training_numbers(rows) for name, rows in training.items()},
+        "training": {tag: _training_numbers(rows) for tag, rows in training.items()},
         "heldout_problems": settings.demo.heldout_problems,
         "eval_samples": settings.eval.get("samples"),
         "eval_temperature": settings.eval.get("temperature"),
         "wall_seconds": dict(seconds),
     }
-    accuracy = {n: v["accuracy"] for n, v in numbers.items()}
-    plots = [*plot_training(training, out), plot_accuracy(accuracy, out)]
+    if len(groups) > 1 or any(len(tags) > 1 for tags in groups.values()):
+        by_seed = {name: [training[t] for t in tags] for name, tags in groups.items()}
+        summary["comparison"] = summarize(by_seed, accuracy)
+    plots = [plot_accuracy({n: summary[f"{n}_accuracy"] for n in accuracy}, out)]
+    if all(len(tags) == 1 for tags in groups.values()):
+        plots += plot_training(training, out)
+    if "comparison" in summary:
+        plots += plot_comparison(summary["comparison"], out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(settings, summary, evals, plots))
     return summary
@@ -391,6 +438,40 @@ LABELS = {"sft": "SFT", "rl": "GRPO-RoC", "grpo": "plain GRPO"}
 
 def _cell(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}"
+
+
+def _interval_cell(iv: dict | None, scale: float = 1.0) -> str:
+    if iv is None:
+        return "n/a"
+    return f"{scale * iv['mean']:.2f} [{scale * iv['low']:.2f}, {scale * iv['high']:.2f}]"
+
+
+def _comparison_markdown(comparison: dict | None) -> list[str]:
+    """The multi-seed table: each quantity's mean [95% interval] per run and the paired difference."""
+    if comparison is None:
+        return []
+    from tirl.demo.seeds import CURVES
+
+    names = [n for n in comparison["heldout_accuracy"] if n not in ("sft", "difference")]
+    head = " | ".join(LABELS.get(n, n) for n in names)
+    lines = [
+        f"## Comparison over {comparison['seeds']} seeds (mean [95% interval])",
+        "",
+        f"Training quantities: means over the last {comparison['last_steps']} steps of each seed; held-out "
+        "accuracy: after RL, SFT shown for reference. Difference: first run minus second, paired by seed.",
+        "",
+        f"| quantity | {head} | difference |",
+        "| --- |" + " --- |" * (len(names) + 1),
+    ]
+    rows = [(CURVES[k][0], comparison["final"][k], CURVES[k][1]) for k in CURVES]
+    rows.append(("Held-out accuracy (%)", comparison["heldout_accuracy"], 1.0))
+    for title, values, scale in rows:
+        cells = [_interval_cell(values.get(n), scale) for n in [*names, "difference"]]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    sft = comparison["heldout_accuracy"].get("sft")
+    if sft:
+        lines += ["", f"SFT model (the start of every run): {sft['mean']:.2f}% held-out accuracy."]
+    return [*lines, ""]
 
 
 def _markdown(settings: DemoSettings, summary: dict, evals: dict, plots: list[Path]) -> str:
@@ -411,7 +492,8 @@ def _markdown(settings: DemoSettings, summary: dict, evals: dict, plots: list[Pa
         "",
         f"RL gain over SFT: **{summary['improvement_points']:+.1f} points**.",
         "",
-        "## Training curves",
+        *_comparison_markdown(summary.get("comparison")),
+        "## Plots",
         "",
         *(f"![{p.stem}]({p.name})" for p in plots),
         "",

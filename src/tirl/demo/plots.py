@@ -108,3 +108,61 @@ def plot_accuracy(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _bands(ax, curves: dict[str, dict], scale: float) -> None:
+    """Mean per step (line) and its 95% interval over seeds (band), one color per run."""
+    for i, (name, by_step) in enumerate(curves.items()):
+        if not by_step:
+            continue
+        steps = [int(s) for s in by_step]
+        mean, low, high = ([scale * by_step[s][k] for s in by_step] for k in ("mean", "low", "high"))
+        color = COLORS.get(name, f"C{i + 2}")
+        ax.plot(steps, mean, color=color, linewidth=2, label=LABELS.get(name, name))
+        ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
+    ax.set(xlabel="RL step")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+
+
+def plot_comparison(summary: dict, out_dir: str | Path) -> list[Path]:
+    """The multi-seed comparison (tirl.demo.seeds.summarize) as the paper's Figure 4 (tool-error ratio
+    in correct trajectories) and Figure 9 (reward, held-out accuracy, response length, tool calls)."""
+    from tirl.demo.seeds import CURVES
+
+    plt = _pyplot()
+    out = Path(out_dir)
+    n = summary["seeds"]
+    key = "tools/error_ratio_in_correct"
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    _bands(ax, summary["curves"][key], CURVES[key][1])
+    ax.set(title=f"{CURVES[key][0]}, mean and 95% interval over {n} seeds", ylabel="errored calls (%)")
+    fig.tight_layout()
+    fig.savefig(out / "figure4.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, key in zip(
+        axes.flat, ("reward/mean", "response/length_mean", "tools/calls_per_traj"), strict=False
+    ):
+        _bands(ax, summary["curves"][key], CURVES[key][1])
+        ax.set(title=CURVES[key][0])
+    acc = {k: v for k, v in summary["heldout_accuracy"].items() if k != "difference" and v}
+    ax = axes.flat[3]
+    names = list(acc)
+    means = [acc[k]["mean"] for k in names]
+    errors = [
+        [acc[k]["mean"] - acc[k]["low"] for k in names],
+        [acc[k]["high"] - acc[k]["mean"] for k in names],
+    ]
+    colors = [COLORS.get(k, f"C{i + 2}") for i, k in enumerate(names)]
+    bars = ax.bar([LABELS.get(k, k) for k in names], means, yerr=errors, capsize=6, color=colors)
+    ax.bar_label(bars, fmt="%.1f", label_type="center")
+    ax.set(title="Held-out accuracy after RL (%)", ylim=(0, 105))
+    ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"GRPO-RoC vs plain GRPO: mean and 95% interval over {n} seeds")
+    fig.tight_layout()
+    fig.savefig(out / "figure9.png", dpi=110)
+    plt.close(fig)
+    return [out / "figure4.png", out / "figure9.png"]
