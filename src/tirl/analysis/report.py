@@ -30,13 +30,18 @@ def analyze(
 ) -> dict:
     """Write OUT/report.md, OUT/analysis.json and OUT/entropy_trajectory.png; returns the analysis."""
     from tirl.engines.factory import load_tokenizer
+    from tirl.rl.checkpoint import resolve_model_path
 
     if not 0 < top <= 1:
         raise AnalysisError(f"--top {top}: give a share in (0, 1], e.g. 0.2 for the top 20%")
     if window < 1:
         raise AnalysisError(f"--window {window}: give at least 1 token")
     trajs = read_trajectories(trajectories, limit)
-    tokenizer = load_tokenizer(str(models[0]))
+    try:  # a run or checkpoint directory means its newest model
+        models = [resolve_model_path(str(m)) for m in models]
+    except FileNotFoundError as e:
+        raise AnalysisError(str(e)) from e
+    tokenizer = load_tokenizer(models[0])
     entropies, results = {}, {}
     for n, path in enumerate(models):
         name = "model" if n == 0 else f"model{n + 1}"  # the CLI's --model / --model2

@@ -51,6 +51,7 @@ TOOL_PLANS = ("I will compute this with Python.", "Let me run Python to get the 
 FIX_PLANS = ("The code failed. Let me fix it.", "There is an error in my code; fixing it.")
 GUESS_PLANS = ("This looks easy to estimate: about {g}.", "A rough mental estimate gives {g}.")
 GIVE_UP_PLANS = ("The tool failed. I will estimate instead: about {g}.", "No result; my best guess is {g}.")
+INFRA_RETRIES = 3  # per snippet, for infrastructure failures (starved, queue timeout)
 FAILURES = ("syntax", "runtime", "stdin", "malformed", "timeout")  # kinds of failed first calls
 DONE = "The code printed the result.</reason>\n<answer>\\boxed{{{n}}}</answer>"
 
@@ -215,14 +216,19 @@ async def make_traces(
     snippets = sorted(
         {c for pl in plans if pl.kind != "no_tool" for c in (_code_of(pl.problem), pl.failed_code) if c}
     )
-    gate = asyncio.Semaphore(64)
+    gate = asyncio.Semaphore(16)
 
     async def run(code: str) -> str:
-        async with gate:
-            result = await executor.run(code, "", cfg.tool_timeout)
-        if result.is_infra_error:
+        for attempt in range(INFRA_RETRIES + 1):  # a starved or queued-out call is the machine's fault
+            async with gate:
+                result = await executor.run(code, "", cfg.tool_timeout)
+            if not result.is_infra_error:
+                break
+            await asyncio.sleep(2.0 * (attempt + 1))
+        else:
             raise RuntimeError(
-                f"the sandbox failed while making SFT traces ({result.status}): {result.message}"
+                f"the sandbox failed {INFRA_RETRIES + 1} times while making SFT traces ({result.status}): "
+                f"{result.message}; if the machine is overloaded, rerun when it is quieter"
             )
         return truncate_middle(result.render(show_time=cfg.show_exec_time), cfg.tool_output_max_chars)
 
