@@ -27,15 +27,30 @@ from tirl.rl.distributed import (
     DistInfo,
     all_reduce,
     broadcast_object,
-    full_model_state,
     init_distributed,
     shutdown_distributed,
 )
+from tirl.rl.learner import Learner, LocalLearner
 from tirl.rl.metrics import AlertMonitor, MetricsLogger, Timer, rollout_metrics
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler, derive_seed
 from tirl.runtime import Runtime, generate, open_runtime, score
+
+
+@asynccontextmanager
+async def open_learner(
+    cfg: TrainConfig, model_path: str, info: DistInfo, total_steps: int
+) -> AsyncIterator[Learner]:
+    """The policy in this process (cluster.backend=local, one per torchrun rank), or one Ray trainer
+    worker per cluster.trainer.ranks (backend=ray)."""
+    if cfg.cluster.backend == "ray":
+        from tirl.runtime.ray import open_ray_learner
+
+        async with open_ray_learner(cfg, model_path, total_steps) as learner:
+            yield learner
+    else:
+        yield LocalLearner(Policy(model_path, cfg.optim, info, total_steps))
 
 
 @asynccontextmanager
@@ -178,12 +193,11 @@ class TrainerState:
 class Run:
     cfg: TrainConfig
     info: DistInfo
-    policy: Policy
+    learner: Learner  # the policy here (and on the other torchrun ranks), or Ray trainer workers
     runtime: Runtime | None  # rank 0 only
     state: TrainerState
     logger: MetricsLogger | None
     alerts: AlertMonitor
-    sync_names: set[str]
 
 
 def stage_agent_config(cfg: TrainConfig, stage: StageConfig):
@@ -223,6 +237,7 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
                 run.runtime, batch, alg.rollouts_per_prompt, stage_agent_config(cfg, stage),
                 seed=derive_seed(cfg.seed, step), concurrency=cfg.rollout_concurrency,
             )  # fmt: skip
+        metrics |= run.runtime.engine_metrics()
         # 3. binary answer-only rewards (math-verify in worker processes)
         with timer("reward"):
             await score(run.runtime, groups, batch)
@@ -246,20 +261,12 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
     # 6. update: every rank trains on its share of the kept samples
     samples = broadcast_object(samples, info)
     with timer("train"):
-        metrics |= grpo_update(run.policy, samples, alg)
-        run.policy.advance_schedule()
-    metrics["train/lr"] = run.policy.lr
+        metrics |= run.learner.update(samples, alg)
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
     # 7. weight sync: the engines sample from the updated policy from the next step on
     with timer("sync"):
-        sync_weights(run)
+        metrics |= run.learner.sync_weights(run.runtime)
     return metrics | timer.metrics()
-
-
-def sync_weights(run: Run) -> None:
-    state = full_model_state(run.policy.model, run.info)  # a collective under FSDP
-    if run.runtime is not None:
-        run.runtime.load_weights((k, v) for k, v in state.items() if k in run.sync_names)
 
 
 def checkpoint(run: Run, sampler: EpochSampler) -> None:
@@ -271,7 +278,7 @@ def checkpoint(run: Run, sampler: EpochSampler) -> None:
         "sampler": sampler.state_dict(),
     }
     tokenizer = run.runtime.tokenizer if run.runtime else None
-    run.policy.save(run.cfg.run_dir, st.step, tokenizer, trainer_state, run.cfg.checkpoint.keep_last)
+    run.learner.save(run.cfg.run_dir, st.step, tokenizer, trainer_state, run.cfg.checkpoint.keep_last)
 
 
 def run_training(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path:
@@ -296,18 +303,19 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
         console.print(f"{cfg.run_dir}: all {len(cfg.stages)} stages are done")
         return cfg.run_dir
     model_path = str(ckpt / "model") if ckpt else resolve_model_path(cfg.model)
-    policy = Policy(model_path, cfg.optim, info, cfg.stages[state.stage].steps)
-    if cfg.algorithm.kl_coef and info.enabled:
+    if cfg.algorithm.kl_coef and (info.enabled or cfg.cluster.trainer.ranks > 1):
         raise ConfigError(
             "algorithm.kl_coef > 0 (a reference model) is supported in single-process runs only"
         )
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.model_dump(mode="json")) if info.is_main else None
     if logger and saved:
         logger.truncate_after(state.step)
-    sync_names = {n for n, _ in policy.model.named_parameters()}
     try:
-        async with open_main_runtime(cfg, model_path, info) as runtime:
-            run = Run(cfg, info, policy, runtime, state, logger, AlertMonitor(cfg.logging), sync_names)
+        async with (
+            open_learner(cfg, model_path, info, cfg.stages[state.stage].steps) as learner,
+            open_main_runtime(cfg, model_path, info) as runtime,
+        ):
+            run = Run(cfg, info, learner, runtime, state, logger, AlertMonitor(cfg.logging))
             for stage_index in range(state.stage, len(cfg.stages)):
                 await _run_stage(run, stage_index, saved if stage_index == state.stage else None, console)
                 saved = None
@@ -318,7 +326,7 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
 
 
 async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) -> None:
-    cfg, st, policy = run.cfg, run.state, run.policy
+    cfg, st, learner = run.cfg, run.state, run.learner
     stage = cfg.stages[stage_index]
     problems = load_stage_problems(stage) if run.info.is_main else []
     if problems and run.runtime is not None:
@@ -328,12 +336,12 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
         )
     n = int(broadcast_object(len(problems), run.info))
     sampler = EpochSampler(n, derive_seed(cfg.seed, stage_index))
-    policy.reset_optimizer(stage.steps)  # a fresh optimizer and warm-up at every stage boundary
+    learner.reset_optimizer(stage.steps)  # a fresh optimizer and warm-up at every stage boundary
     if cfg.algorithm.kl_coef:  # (a run resumed mid-stage takes its reference from the resume point)
-        policy.snapshot_reference()
+        learner.snapshot_reference()
     if saved is not None:  # resuming inside this stage: restore exactly where it stopped
         sampler.load_state_dict(saved["sampler"])
-        policy.restore(saved)
+        learner.restore(saved)
     else:
         st.stage, st.stage_step = stage_index, 0
     console.print(

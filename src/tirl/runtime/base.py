@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from tirl.engines.base import Engine, EnginePool
+from tirl.engines.scheduler import RolloutScheduler
 from tirl.sandbox.service import Executor
 
 if TYPE_CHECKING:
@@ -62,18 +63,14 @@ class Runtime:
         for engine in self.engines:
             engine.load_weights(weights)
 
-    def rollout_metrics(self) -> dict[str, Any]:
-        """Per-engine scheduler metrics of the last window (engines used, leases), then a new window."""
-        metrics_of = getattr(self.pool, "metrics", None)
-        if metrics_of is None:
-            return {}
-        m = metrics_of()
-        self.pool.reset_metrics()
-        out: dict[str, Any] = {"rollout/makespan_s": m["makespan_s"], "rollout/preemptions": m["preemptions"]}
-        for e in m["engines"]:
-            out[f"engine/{e['engine']}/leases"] = e["leases"]
-            out[f"engine/{e['engine']}/busy_s"] = e["busy_s"]
-        return out | {f"infra/{k}": v for k, v in self.counters.items()}
+    def engine_metrics(self) -> dict[str, Any]:
+        """Trajectories each engine took since the last call (scheduler leases), infrastructure counters."""
+        out: dict[str, Any] = {f"infra/{k}": v for k, v in self.counters.items()}
+        if isinstance(self.pool, RolloutScheduler):
+            for e in self.pool.metrics()["engines"]:
+                out[f"rollout/leases/{e['engine']}"] = e["leases"]
+            self.pool.reset_metrics()
+        return out
 
 
 @asynccontextmanager

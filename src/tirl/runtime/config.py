@@ -5,7 +5,6 @@
       address: auto           # auto | HOST:PORT | null (start a private Ray on this machine)
       engines: {num_gpus: 1}  # per engine actor (engine.num_engines of them)
       trainer: {ranks: 8, num_gpus: 1}
-      colocate: false         # true: engines and trainer ranks share devices
 
 The number of engines stays `engine.num_engines` (one definition); this section only says what each
 one needs and where the rest goes.
@@ -59,7 +58,9 @@ class ClusterConfig(_Strict):
     namespace: str = "tirl"
     engines: Resources = Resources()
     trainer: TrainerPlacement = TrainerPlacement()
-    colocate: bool = False  # engines share the trainer ranks' devices (vLLM sleeps while training)
+    weight_sync_bucket_mb: float = Field(
+        256.0, gt=0
+    )  # trainer -> engines in buckets of this size (verl: 128-1024)
     sandbox: SandboxPlacement = SandboxPlacement()
     reward_num_cpus: float = Field(1.0, ge=0)  # the reward actor (math-verify workers) off the driver
     num_cpus: int | None = Field(None, ge=1)  # a Ray started by tirl (address null): logical CPUs

@@ -64,6 +64,17 @@ class SandboxConfig(BaseModel):
                              max_wait_ms=self.max_wait_ms, retries=self.retries, timeout=self.timeout_s)  # fmt: skip
 
 
+def serve_command(cfg: SandboxConfig, host: str, port: int) -> list[str]:
+    """The `tirl sandbox serve` command line for cfg's limits (the token goes in $TIRL_SANDBOX_TOKEN)."""
+    argv = [sys.executable, "-m", "tirl.cli", "sandbox", "serve", "--host", host, "--port", str(port),
+            "--timeout", str(cfg.timeout_s), "--memory-mb", str(cfg.memory_mb), "--output-bytes", str(cfg.output_bytes),
+            "--keep-bytes", str(cfg.keep_bytes), "--max-procs", str(cfg.max_procs),
+            "--queue-timeout", str(cfg.queue_timeout_s)]  # fmt: skip
+    if cfg.slots:
+        argv += ["--slots", str(cfg.slots)]
+    return argv
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,12 +99,7 @@ async def _wait_healthy(url: str, token: str, proc: subprocess.Popen, timeout_s:
 @contextlib.asynccontextmanager
 async def _local_service(cfg: SandboxConfig) -> AsyncIterator[SandboxClient]:
     port, token = _free_port(), secrets.token_urlsafe(24)
-    argv = [sys.executable, "-m", "tirl.cli", "sandbox", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--timeout", str(cfg.timeout_s), "--memory-mb", str(cfg.memory_mb), "--output-bytes", str(cfg.output_bytes),
-            "--keep-bytes", str(cfg.keep_bytes), "--max-procs", str(cfg.max_procs),
-            "--queue-timeout", str(cfg.queue_timeout_s)]  # fmt: skip
-    if cfg.slots:
-        argv += ["--slots", str(cfg.slots)]
+    argv = serve_command(cfg, "127.0.0.1", port)
     env = {**os.environ, "TIRL_SANDBOX_TOKEN": token}  # the token never shows in `ps`
     # Its own process group: Ctrl-C in the terminal (e.g. stopping one `tirl chat` answer) reaches the
     # parent, which stops the service in order, not the service itself. It dies with its parent
@@ -132,4 +138,4 @@ async def open_executor(cfg: SandboxConfig | None = None) -> AsyncIterator[Execu
             yield sandbox
 
 
-__all__ = ["Executor", "MiB", "SandboxConfig", "open_executor"]
+__all__ = ["Executor", "MiB", "SandboxConfig", "open_executor", "serve_command"]

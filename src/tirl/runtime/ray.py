@@ -1,0 +1,647 @@
+"""The `ray` runtime: engines, trainer ranks, sandboxes and reward workers placed across nodes.
+
+    driver (tirl train: rl_step top to bottom)
+      ├─ EngineWorker actors (placement group, SPREAD: engine i on any node) <- RemoteEngine proxies
+      │    behind the KV-aware RolloutScheduler; generate() is an awaited remote call
+      ├─ TrainerWorker actors, one per rank (placement group, PACK), one torch.distributed group
+      │    (FSDP2; gloo on CPU, NCCL on GPU) <- RayLearner
+      ├─ SandboxNode actor per node: starts, health-checks, restarts `tirl sandbox serve`;
+      │    the SandboxClient balances over their endpoints (and retries elsewhere)
+      └─ RewardWorker actor: the math-verify process pool, off the driver
+    weight sync: trainer rank 0 + every engine join a sync group per step (tirl.rl.weight_sync)
+
+Faults: an engine actor that dies mid-rollout is marked down and the turns it was running (and any
+later ones of its trajectories) are re-run on live engines with the same prompt tokens and seed, so
+no trajectory is lost or scored on a broken turn; Ray restarts the actor, which rejoins at the next
+weight sync (before that it holds stale weights, so it gets no work). Counted in `infra/*` metrics.
+A sandbox service that dies is restarted by its node's actor; meanwhile the client retries its
+calls on the other nodes.
+
+Departure from the big frameworks: no persistent NCCL group between trainers and engines; the sync
+group is formed per sync (cheap next to a step, and a restarted engine simply joins the next one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tirl.engines.base import Generation, KVCapacity, SamplingParams
+from tirl.rl.weight_sync import SyncGroup, free_port, receive_into, send_weights
+from tirl.runtime.base import Runtime
+from tirl.runtime.config import ClusterConfig, Resources, require_ray
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tirl.agent.trajectory import Trajectory
+    from tirl.engines.config import EngineConfig
+    from tirl.reward import RewardConfig, RewardStats
+    from tirl.rl.config import AlgorithmConfig, TrainConfig
+    from tirl.rl.policy import TrainSample
+    from tirl.sandbox import SandboxConfig
+
+READY_TIMEOUT_S = 300.0  # placement groups and actors (loading a model) must be up within this
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot run what the config asks for; the message says what and why."""
+
+
+# ---- connecting and checking resources ------------------------------------------------------------
+
+
+def connect(cluster: ClusterConfig):
+    """Join cluster.address (or start a private Ray here when it is null); returns the ray module."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return ray
+    options: dict[str, Any] = {
+        "namespace": cluster.namespace,
+        "include_dashboard": False,
+        "log_to_driver": True,
+    }
+    if cluster.address is None:
+        ray.init(num_cpus=cluster.num_cpus, **options)
+        return ray
+    if cluster.address != "auto":
+        host, _, port = cluster.address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except (OSError, ValueError) as e:
+            raise ClusterError(
+                f"cannot reach the Ray cluster at cluster.address={cluster.address!r} ({e}): start its head "
+                "with `ray start --head --port=6379` and give HEAD_IP:6379, or `auto` on a cluster node"
+            ) from e
+    try:
+        ray.init(address=cluster.address, **options)
+    except ConnectionError as e:
+        raise ClusterError(f"cannot join the Ray cluster at cluster.address={cluster.address!r}: {e}") from e
+    return ray
+
+
+def check_resources(ray, what: str, bundle: dict[str, float], count: int) -> None:
+    """Fail fast, naming the resource, when `count` actors of `bundle` can never be placed."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    for key, amount in bundle.items():
+        have = [n["Resources"].get(key, 0.0) for n in nodes]
+        if max(have, default=0.0) < amount:
+            raise ClusterError(
+                f"cluster.{what} asks for {amount:g} {key!r} per actor, but no node of the Ray cluster has "
+                f"that much (largest: {max(have, default=0.0):g}, over {len(nodes)} nodes): lower it or add "
+                + (f"nodes with `ray start --num-{key.lower()}s N`" if key in ("CPU", "GPU")
+                   else f"nodes with `ray start --resources '{{\"{key}\": N}}'`")
+            )  # fmt: skip
+        if sum(have) < amount * count:
+            raise ClusterError(
+                f"cluster.{what}: {count} actors x {amount:g} {key!r} = {amount * count:g}, but the Ray "
+                f"cluster has {sum(have):g} {key!r} in all"
+            )
+
+
+def _placement_group(ray, what: str, bundle: dict[str, float], count: int, strategy: str):
+    from ray.util.placement_group import placement_group
+
+    check_resources(ray, what, bundle, count)
+    pg = placement_group([dict(bundle) for _ in range(count)], strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=READY_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise ClusterError(
+            f"cluster.{what}: {count} x {bundle} could not be placed within {READY_TIMEOUT_S:g} s "
+            "(the resources exist but are held by other work)"
+        )
+    return pg
+
+
+def _in_bundle(pg, index: int) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+
+
+def _actor_options(res: Resources) -> dict[str, Any]:
+    return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources)}
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+# ---- engines -------------------------------------------------------------------------------------
+
+
+class EngineWorker:
+    """One inference engine (HF or vLLM) in its own actor process; Ray restarts it if it dies."""
+
+    def __init__(self, cfg: EngineConfig):
+        from tirl.engines.factory import build_engines
+
+        self.engine = build_engines(cfg.model_copy(update={"num_engines": 1}))[0]
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Generation, KVCapacity]:
+        generation = await self.engine.generate(prompt_ids, params)
+        return generation, self.engine.capacity()
+
+    async def describe(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "capacity": self.engine.capacity(),
+        }
+
+    async def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        await asyncio.to_thread(self.engine.load_weights, weights)
+
+    async def receive_weights(self, group: SyncGroup, rank: int) -> int:
+        device = torch.device("cuda") if group.backend == "nccl" else torch.device("cpu")
+        return await asyncio.to_thread(receive_into, group, rank, self.engine.load_weights, device)
+
+    async def state(self) -> dict[str, torch.Tensor]:
+        """The served weights (HF engines; tests compare them with the trainer's)."""
+        return {k: v.detach().cpu() for k, v in self.engine.model.state_dict().items()}
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class RemoteEngine:
+    """The Engine interface on an EngineWorker actor; a turn it cannot finish goes to a live engine."""
+
+    def __init__(self, fleet: EngineFleet, actor, name: str, node: str, capacity: KVCapacity):
+        self.fleet, self.actor, self.name, self.node = fleet, actor, name, node
+        self._capacity = capacity
+        self.up = True  # False from its first failure until the weight sync after Ray restarted it
+        self.revived = False
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        import ray
+
+        if self.up:
+            try:
+                generation, self._capacity = await self.actor.generate.remote(prompt_ids, params)
+                return generation
+            except ray.exceptions.RayActorError:
+                self.fleet.lost(self)
+        return await self.fleet.reroute(prompt_ids, params)
+
+    def capacity(self) -> KVCapacity:
+        # The last value the actor reported (a remote call here would block the event loop); a
+        # down engine offers no room.
+        if not self.up:
+            return KVCapacity(self._capacity.total_tokens, 0, self._capacity.preemptions)
+        return self._capacity
+
+    def load_weights(self, weights) -> None:
+        import ray
+
+        ray.get(self.actor.load_weights.remote(list(weights)))
+
+    async def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            await self.actor.close.remote()
+
+
+class EngineFleet:
+    """All engine actors: failover, revival after a restart, and the counters the metrics show."""
+
+    def __init__(self, counters: dict[str, int]):
+        self.engines: list[RemoteEngine] = []
+        self.counters = counters
+        for key in ("engine_failures", "engine_restarts", "rerouted_turns"):
+            counters.setdefault(key, 0)
+
+    def lost(self, engine: RemoteEngine) -> None:
+        if engine.up:
+            engine.up = False
+            self.counters["engine_failures"] += 1
+
+    async def reroute(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        live = [e for e in self.engines if e.up]
+        if not live:
+            raise ClusterError("every engine actor is down: no engine can run this turn")
+        self.counters["rerouted_turns"] += 1
+        target = max(live, key=lambda e: e._capacity.free_tokens or 0)
+        return await target.generate(prompt_ids, params)
+
+    def sync_targets(self, timeout_s: float = READY_TIMEOUT_S) -> list[RemoteEngine]:
+        """Engines that take part in the next weight sync: the live ones and those Ray restarted
+        (a restarted actor answers once it has loaded its model again)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        for e in self.engines:
+            while not (e.up or e.revived) and time.monotonic() < deadline:
+                try:
+                    info = ray.get(e.actor.describe.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    e.node, e._capacity, e.revived = info["node"], info["capacity"], True
+                except ray.exceptions.ActorUnavailableError:  # restarting: calls fail until it is back
+                    time.sleep(0.2)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break  # gone for good (no restarts left) or too slow: it sits this sync out
+        return [e for e in self.engines if e.up or e.revived]
+
+    def synced(self, engines: list[RemoteEngine]) -> None:
+        for e in engines:
+            if not e.up:
+                e.up, e.revived = True, False
+                self.counters["engine_restarts"] += 1
+
+
+async def _start_engines(ray, cluster: ClusterConfig, cfg: EngineConfig, fleet: EngineFleet):
+    pg = _placement_group(ray, "engines", cluster.engines.as_bundle(), cfg.num_engines, "SPREAD")
+    actor_cls = ray.remote(EngineWorker)
+    actors = [
+        actor_cls.options(
+            name=None,
+            max_restarts=2,
+            max_concurrency=10_000,
+            **_actor_options(cluster.engines),
+            **_in_bundle(pg, i),
+        ).remote(cfg)
+        for i in range(cfg.num_engines)
+    ]
+    infos = await asyncio.gather(*(a.describe.remote() for a in actors))
+    for i, (actor, info) in enumerate(zip(actors, infos, strict=True)):
+        fleet.engines.append(RemoteEngine(fleet, actor, f"{cfg.backend}{i}", info["node"], info["capacity"]))
+    return pg
+
+
+# ---- sandboxes -------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """The service dies with its node actor (Linux), so a lost actor leaves no orphan service."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class SandboxNode:
+    """Runs `tirl sandbox serve` on its node; `ensure()` restarts it when it stopped answering."""
+
+    def __init__(self, cfg: SandboxConfig, token: str):
+        self.cfg, self.token = cfg, token
+        self.host, self.port = _node_ip(), free_port()
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def ensure(self) -> dict[str, Any]:
+        """Start the service (again) unless it is healthy; its URL, pid and restarts so far."""
+        if not self._healthy():
+            if self.proc is not None:
+                self.restarts += 1
+                self._stop()
+            self._start()
+        return {"url": self.url, "pid": self.proc.pid, "restarts": self.restarts}
+
+    def _start(self) -> None:
+        from tirl.sandbox.service import serve_command
+
+        env = {**os.environ, "TIRL_SANDBOX_TOKEN": self.token}
+        argv = serve_command(self.cfg, self.host, self.port)
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"`tirl sandbox serve` on {self.host} exited with code {self.proc.returncode}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"`tirl sandbox serve` on {self.host} was not healthy within {self.cfg.start_timeout_s:g} s"
+                )
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        import httpx
+
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            headers = {"Authorization": f"Bearer {self.token}"}
+            return httpx.get(f"{self.url}/health", headers=headers, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def stop(self) -> None:
+        self._stop()
+
+
+def _sandbox_nodes(ray, cluster: ClusterConfig) -> list[str]:
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    want = cluster.sandbox.resource
+    chosen = [n["NodeID"] for n in nodes if want is None or n["Resources"].get(want, 0) > 0]
+    if not chosen:
+        raise ClusterError(
+            f"cluster.sandbox.resource={want!r}: no node of the Ray cluster has it; start sandbox nodes "
+            f"with `ray start --resources '{{\"{want}\": 1}}'` or set cluster.sandbox.resource=null"
+        )
+    return chosen
+
+
+@asynccontextmanager
+async def _sandbox_fleet(
+    ray, cluster: ClusterConfig, cfg: SandboxConfig, nodes: list[str], counters: dict[str, int]
+):
+    """One service per chosen node and a client over all of them; a health loop restarts dead ones."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    token = cfg.token or secrets.token_urlsafe(24)
+    actor_cls = ray.remote(SandboxNode)
+    actors = [
+        actor_cls.options(
+            num_cpus=cluster.sandbox.num_cpus,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(cfg, token)
+        for node in nodes
+    ]
+    states = await asyncio.gather(*(a.ensure.remote() for a in actors))
+    counters.setdefault("sandbox_restarts", 0)
+    counters.setdefault("sandbox_nodes_lost", 0)
+    lost: set[int] = set()
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(cluster.sandbox.health_interval_s)
+            for i, actor in enumerate(actors):
+                if i in lost:
+                    continue
+                try:
+                    state = await actor.ensure.remote()
+                except ray.exceptions.RayActorError:  # the node (or its actor) is gone
+                    lost.add(i)
+                    counters["sandbox_nodes_lost"] += 1
+                    continue
+                counters["sandbox_restarts"] += state["restarts"] - states[i]["restarts"]
+                states[i] = state
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async with cfg.client([s["url"] for s in states], token) as client:
+            yield client
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await asyncio.gather(*(a.stop.remote() for a in actors), return_exceptions=True)
+        for a in actors:
+            ray.kill(a)
+
+
+# ---- reward --------------------------------------------------------------------------------------
+
+
+class RewardWorker:
+    """tirl.reward.RewardPool (math-verify worker processes) in an actor, off the driver."""
+
+    async def start(self, cfg: RewardConfig) -> None:
+        from tirl.reward import RewardPool
+
+        self.pool = RewardPool(cfg)
+        await self.pool.start()
+
+    async def score(self, response: str, reference: str) -> float:
+        return await self.pool.score(response, reference)
+
+    async def score_many(self, pairs: list[tuple[str, str]]) -> list[float]:
+        return await self.pool.score_many(pairs)
+
+    async def equivalent(self, answer: str, reference: str) -> bool:
+        return await self.pool.equivalent(answer, reference)
+
+    async def stats(self) -> RewardStats:
+        return self.pool.stats
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+class RemoteScorer:
+    """The Scorer interface on a RewardWorker actor."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    async def score_many(self, pairs: list[tuple[str, str]]) -> list[float]:
+        return await self.actor.score_many.remote(pairs)
+
+    async def score_trajectory(self, trajectory: Trajectory, reference: str) -> float:
+        from tirl.reward.pool import UNSCORED_FINISH
+
+        if trajectory.finish_reason in UNSCORED_FINISH:
+            return 0.0
+        return await self.actor.score.remote(trajectory.response_text, reference)
+
+    async def equivalent(self, answer: str, reference: str) -> bool:
+        return await self.actor.equivalent.remote(answer, reference)
+
+    @property
+    def stats(self) -> RewardStats:
+        import ray
+
+        return ray.get(self.actor.stats.remote())
+
+
+# ---- the runtime -----------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def open_ray_runtime(
+    cluster: ClusterConfig,
+    engine: EngineConfig,
+    sandbox: SandboxConfig,
+    reward: RewardConfig | None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> AsyncIterator[Runtime]:
+    from tirl.engines.factory import build_pool, load_tokenizer
+    from tirl.sandbox import open_executor
+
+    ray = connect(cluster)
+    tokenizer = tokenizer or load_tokenizer(engine.model)
+    counters: dict[str, int] = {}
+    fleet = EngineFleet(counters)
+    pg = None
+    sandbox_nodes = _sandbox_nodes(ray, cluster) if cluster.sandbox.per_node else []
+    async with AsyncExitStack() as stack:
+        try:
+            pg = await _start_engines(ray, cluster, engine, fleet)
+            if sandbox_nodes:
+                executor = await stack.enter_async_context(
+                    _sandbox_fleet(ray, cluster, sandbox, sandbox_nodes, counters)
+                )
+            else:
+                executor = await stack.enter_async_context(open_executor(sandbox))
+            scorer = None
+            if reward is not None:
+                actor = ray.remote(RewardWorker).options(num_cpus=cluster.reward_num_cpus).remote()
+                await actor.start.remote(reward)
+                stack.callback(ray.kill, actor)
+                scorer = RemoteScorer(actor)
+            engines = list(fleet.engines)
+            yield Runtime(engines, build_pool(engines, engine), executor, scorer, tokenizer, "ray", counters)
+        finally:
+            await asyncio.gather(*(e.close() for e in fleet.engines), return_exceptions=True)
+            for e in fleet.engines:
+                ray.kill(e.actor)
+            if pg is not None:
+                ray.util.remove_placement_group(pg)
+
+
+# ---- trainer workers -------------------------------------------------------------------------------
+
+
+class TrainerWorker:
+    """One training rank: a LocalLearner in a torch.distributed group with the other workers."""
+
+    def address(self) -> tuple[str, int]:
+        return _node_ip(), free_port()
+
+    def setup(
+        self, rank: int, world: int, master: tuple[str, int], model_path: str, optim, total_steps: int
+    ) -> None:
+        from tirl.rl.distributed import init_distributed
+        from tirl.rl.learner import LocalLearner
+        from tirl.rl.policy import Policy
+
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+        )  # fmt: skip
+        info = init_distributed(optim.device)
+        self.learner = LocalLearner(Policy(model_path, optim, info, total_steps))
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.learner, method)(*args)
+
+    def send_weights(self, group: SyncGroup | None, bucket_bytes: int) -> dict[str, float]:
+        device = (
+            self.learner.policy.device
+            if group is not None and group.backend == "nccl"
+            else torch.device("cpu")
+        )
+        pg = group.join(0) if group is not None else None
+        return send_weights(self.learner.policy.model, pg, bucket_bytes, device)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The full weights (rank 0; a collective: every worker calls it)."""
+        from tirl.rl.distributed import full_model_state
+
+        return full_model_state(self.learner.policy.model, self.learner.info)
+
+
+class RayLearner:
+    """The Learner interface on one TrainerWorker per rank; every call goes to all ranks at once."""
+
+    def __init__(self, workers: list, bucket_bytes: int, backend: str):
+        self.workers, self.bucket_bytes, self.backend = workers, bucket_bytes, backend
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return ray.get([w.call.remote(method, *args) for w in self.workers])
+
+    def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
+        return self._all("update", samples, alg)[0]  # the metrics are all-reduced: rank 0's say it all
+
+    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
+        import ray
+
+        if runtime is None:
+            return {}
+        engines = [e for e in runtime.engines if isinstance(e, RemoteEngine)]
+        if len(engines) != len(runtime.engines):
+            raise ClusterError("backend=ray trains on Ray workers and needs engines from the ray runtime")
+        fleet = engines[0].fleet
+        host, port = ray.get(self.workers[0].address.remote())  # on trainer rank 0's node
+        members = fleet.sync_targets()
+        group = SyncGroup(host, port, 1 + len(members), self.backend)
+        sends = [
+            w.send_weights.remote(group if r == 0 else None, self.bucket_bytes)
+            for r, w in enumerate(self.workers)
+        ]
+        receives = [e.actor.receive_weights.remote(group, i + 1) for i, e in enumerate(members)]
+        stats = ray.get(sends)[0]
+        ray.get(receives)
+        fleet.synced(members)
+        return stats | {"sync/engines": float(len(members))}
+
+    def reset_optimizer(self, total_steps: int) -> None:
+        self._all("reset_optimizer", total_steps)
+
+    def snapshot_reference(self) -> None:
+        self._all("snapshot_reference")
+
+    def restore(self, saved: dict) -> None:
+        self._all("restore", saved)
+
+    def save(self, run_dir: Path, step: int, tokenizer, state: dict, keep_last: int) -> None:
+        self._all("save", run_dir, step, tokenizer, state, keep_last)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        import ray
+
+        return ray.get([w.state.remote() for w in self.workers])[0]
+
+
+@asynccontextmanager
+async def open_ray_learner(cfg: TrainConfig, model_path: str, total_steps: int) -> AsyncIterator[RayLearner]:
+    """cluster.trainer.ranks TrainerWorker actors (placement group, PACK) forming one FSDP2 group."""
+    cluster = cfg.cluster
+    ray = connect(cluster)
+    placement = cluster.trainer
+    res = Resources(num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, resources=placement.resources)
+    pg = _placement_group(ray, "trainer", res.as_bundle(), placement.ranks, "PACK")
+    actor_cls = ray.remote(TrainerWorker)
+    workers = [
+        actor_cls.options(**_actor_options(res), **_in_bundle(pg, r)).remote() for r in range(placement.ranks)
+    ]
+    try:
+        master = await workers[0].address.remote()
+        await asyncio.gather(
+            *(
+                w.setup.remote(r, placement.ranks, master, model_path, cfg.optim, total_steps)
+                for r, w in enumerate(workers)
+            )
+        )
+        backend = "nccl" if placement.num_gpus > 0 else "gloo"
+        yield RayLearner(workers, int(cluster.weight_sync_bucket_mb * 2**20), backend)
+    finally:
+        for w in workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(pg)
+
+
+__all__ = ["ClusterError", "RayLearner", "connect", "open_ray_learner", "open_ray_runtime"]

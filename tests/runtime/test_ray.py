@@ -1,0 +1,232 @@
+"""The `ray` runtime on a simulated 2-node Ray cluster (two raylets on this machine, dashboard off):
+engine actors on both nodes, two trainer workers in one gloo group, a sandbox service per node."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ray = pytest.importorskip("ray")  # `make test` installs tirl[ray]
+
+from tirl.agent.config import AgentConfig  # noqa: E402
+from tirl.config import load_config  # noqa: E402
+from tirl.data.problem import Problem  # noqa: E402
+from tirl.engines.config import EngineConfig  # noqa: E402
+from tirl.reward import RewardConfig  # noqa: E402
+from tirl.rl.config import TrainConfig  # noqa: E402
+from tirl.rl.metrics import read_metrics  # noqa: E402
+from tirl.rl.trainer import run_training  # noqa: E402
+from tirl.runtime import ClusterConfig, generate, open_runtime, score  # noqa: E402
+from tirl.runtime.ray import ClusterError  # noqa: E402
+from tirl.sandbox import SandboxConfig  # noqa: E402
+
+PROBLEMS = [("p1", "What is 12 + 30?", "42"), ("p2", "What is 7 * 6?", "42"), ("p3", "What is 2 ** 5?", "32")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head + one worker node, 4 logical CPUs each (the machine has 2 cores: Ray only counts)."""
+    from ray.cluster_utils import Cluster
+
+    quiet = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 4, "include_dashboard": False, "_system_config": quiet},
+    )
+    c.add_node(num_cpus=4)
+    ray.init(address=c.address, include_dashboard=False, namespace="tirl-test", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _cluster_cfg(cluster, **update) -> ClusterConfig:
+    return ClusterConfig(backend="ray", address=cluster.address, **update)
+
+
+def _engine_cfg(model_dir: Path) -> EngineConfig:
+    return EngineConfig(
+        backend="hf", model=str(model_dir), num_engines=2, device="cpu", max_model_len=1024, max_batch_size=8
+    )
+
+
+def _write_config(tmp_path: Path, model_dir: Path) -> Path:
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in PROBLEMS))
+    cfg = {
+        "model": str(model_dir),
+        "output_dir": str(tmp_path / "runs"),
+        "seed": 3,
+        "engine": {
+            "backend": "hf",
+            "num_engines": 2,
+            "device": "cpu",
+            "max_model_len": 1024,
+            "max_batch_size": 8,
+        },
+        "agent": {"max_turns": 2, "max_response_tokens": 24},
+        "sandbox": {"mode": "local", "slots": 1},
+        "reward": {"workers": 1},
+        # Untrained tiny model: rewards are 0, so the entropy bonus is what moves the weights.
+        "algorithm": {"prompts_per_step": 2, "group_size": 2, "mini_batches": 2, "entropy_coef": 0.1},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "device": "cpu"},
+        "stages": [{"name": "s1", "steps": 2, "data": str(data)}],
+        "checkpoint": {"every": 2, "keep_last": 1},
+        "logging": {"tensorboard": False},
+        "rollout_concurrency": 8,
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    (model_dir,) = (run_dir / "checkpoints").glob("step_*/model")
+    return _weights(model_dir)
+
+
+def test_two_step_grpo_roc_on_two_nodes_matches_local(cluster, tiny_model_dir, tmp_path):
+    config = _write_config(tmp_path, tiny_model_dir)
+    local = run_training(load_config(TrainConfig, config, ["run_name=local"]), progress=False)
+    on_ray = run_training(
+        load_config(
+            TrainConfig, config,
+            ["run_name=ray", "cluster.backend=ray", f"cluster.address={cluster.address}", "cluster.trainer.ranks=2",
+             "cluster.weight_sync_bucket_mb=0.05"],  # several buckets even for the tiny model
+        ),
+        progress=False,
+    )  # fmt: skip
+    want, got = read_metrics(local), read_metrics(on_ray)
+    assert [r["step"] for r in got] == [1, 2]
+    for w, g in zip(want, got, strict=True):
+        assert g["batch"] == w["batch"]
+        for key in ("reward/mean", "response/length_mean", "tools/calls_per_traj", "train/trained_tokens"):
+            assert g[key] == pytest.approx(w[key], rel=1e-6), key
+        for key in ("train/loss", "train/entropy", "train/grad_norm"):
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+        assert g["train/engine_logprob_gap"] < 1e-4  # both engines sample from the synced weights
+        assert g["sync/engines"] == 2 and g["sync/buckets"] > 1
+        assert g["infra/engine_failures"] == 0
+    # Each engine (one per node) took trajectories; the scheduler keeps a prompt's group on the engine
+    # that holds its prefix, so how they split in a step follows the prompts, as it does locally.
+    for name in ("hf0", "hf1"):
+        assert sum(g[f"rollout/leases/{name}"] for g in got) > 0
+        assert [g[f"rollout/leases/{name}"] for g in got] == [w[f"rollout/leases/{name}"] for w in want]
+    local_w, ray_w = _final_weights(local), _final_weights(on_ray)
+    assert local_w.keys() == ray_w.keys()
+    for k in local_w:
+        assert torch.allclose(local_w[k], ray_w[k], rtol=1e-4, atol=1e-6), k
+    assert not torch.equal(local_w["model.norm.weight"], _weights(tiny_model_dir)["model.norm.weight"])
+
+
+async def _rollout(rt, problems, on_done=None):
+    agent = AgentConfig(max_turns=3, max_response_tokens=24)
+    groups = await generate(rt, problems, 3, agent, seed=11, concurrency=16, on_done=on_done)
+    await score(rt, groups, problems)
+    return groups
+
+
+def _sandbox_pids(urls: list[str]) -> list[int]:
+    """The `tirl sandbox serve` processes behind the client's endpoints (found by their --port)."""
+    import psutil
+
+    pids = []
+    for url in urls:
+        port = url.rsplit(":", 1)[1]
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "serve" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == port:
+                pids.append(p.pid)
+    return pids
+
+
+def test_engine_and_sandbox_killed_mid_rollout_lose_nothing(cluster, tiny_model_dir):
+    """The same seeded rollout with and without faults gives the same tokens and rewards: the dead
+    engine's turns re-ran elsewhere, the sandbox calls went to the other node, all was counted."""
+    problems = [Problem(f"q{i}", f"Compute {i} * 7 with Python.", str(7 * i)) for i in range(6)]
+    cc = _cluster_cfg(cluster, sandbox={"health_interval_s": 0.5})
+    sandbox = SandboxConfig(mode="local", slots=1, retries=5)
+
+    async def main():
+        async with open_runtime(cc, _engine_cfg(tiny_model_dir), sandbox, RewardConfig(workers=1)) as rt:
+            assert len({e.node for e in rt.engines}) == 2  # one engine actor per node
+            clean = await _rollout(rt, problems)
+            rt.engine_metrics()
+
+            killed = asyncio.Event()
+
+            def on_done(_traj) -> None:  # the first finished trajectory: the rest are in flight
+                if not killed.is_set():
+                    killed.set()
+                    ray.kill(rt.engines[0].actor, no_restart=False)
+                    os.kill(_sandbox_pids(rt.executor.endpoints[1:])[0], signal.SIGKILL)
+
+            faulty = await _rollout(rt, problems, on_done)
+
+            async def service_restarted() -> None:  # the node's health loop notices and restarts it
+                while rt.counters["sandbox_restarts"] < 1:
+                    await asyncio.sleep(0.1)
+
+            await asyncio.wait_for(service_restarted(), 60)
+            counters = dict(rt.counters)
+            assert (await rt.executor.run("print(6 * 7)")).stdout == "42\n"
+            restarted = await asyncio.to_thread(rt.engines[0].fleet.sync_targets)
+            return clean, faulty, counters, [e.name for e in restarted]
+
+    clean, faulty, counters, restarted = asyncio.run(main())
+    assert counters["engine_failures"] == 1 and counters["rerouted_turns"] >= 1
+    flat_clean = [t for g in clean for t in g]
+    flat_faulty = [t for g in faulty for t in g]
+    assert not [t for t in flat_faulty if t.finish_reason == "error"]
+    assert [t.response_ids for t in flat_faulty] == [t.response_ids for t in flat_clean]
+    assert [t.reward for t in flat_faulty] == [t.reward for t in flat_clean]
+    assert restarted == ["hf0", "hf1"]  # Ray restarted the killed actor: it rejoins at the next sync
+
+
+def test_clear_errors_for_unreachable_address_and_missing_resources(cluster, tiny_model_dir):
+    async def open_with(cc: ClusterConfig):
+        async with open_runtime(cc, _engine_cfg(tiny_model_dir), SandboxConfig(mode="inprocess"), None):
+            pass
+
+    with pytest.raises(ClusterError, match=r"cluster\.engines asks for 1 'GPU' per actor, but no node"):
+        asyncio.run(open_with(_cluster_cfg(cluster, engines={"num_gpus": 1})))
+    with pytest.raises(ClusterError, match="'engine_node'"):
+        asyncio.run(open_with(_cluster_cfg(cluster, engines={"resources": {"engine_node": 1}})))
+    with pytest.raises(ClusterError, match=r"5 'CPU' per actor.*largest: 4"):
+        asyncio.run(open_with(_cluster_cfg(cluster, engines={"num_cpus": 5})))
+    with pytest.raises(ClusterError, match="sandbox_node"):
+        asyncio.run(open_with(_cluster_cfg(cluster, sandbox={"resource": "sandbox_node"})))
+
+
+def test_unreachable_address_is_one_clear_error():
+    """Checked before joining (no hang): runs in its own process, outside the test cluster."""
+    import subprocess
+    import sys
+
+    code = (
+        "from tirl.runtime.config import ClusterConfig; from tirl.runtime.ray import connect\n"
+        "connect(ClusterConfig(backend='ray', address='127.0.0.1:9'))"
+    )
+    src = str(Path(__file__).parents[2] / "src")
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": src},
+    )
+    assert proc.returncode != 0
+    assert "cannot reach the Ray cluster at cluster.address='127.0.0.1:9'" in proc.stderr
