@@ -125,11 +125,15 @@ def test_two_step_grpo_roc_on_two_nodes_matches_local(cluster, tiny_model_dir, t
     for name in ("hf0", "hf1"):
         assert sum(g[f"rollout/leases/{name}"] for g in got) > 0
         assert [g[f"rollout/leases/{name}"] for g in got] == [w[f"rollout/leases/{name}"] for w in want]
-    local_w, ray_w = _final_weights(local), _final_weights(on_ray)
+    # The same final weights: each tensor's update (final - initial) agrees to 1e-4 of its size
+    # (float noise of 1 vs 2 ranks; Adam's normalisation turns ~0 gradients into full-size steps).
+    init, local_w, ray_w = _weights(tiny_model_dir), _final_weights(local), _final_weights(on_ray)
     assert local_w.keys() == ray_w.keys()
     for k in local_w:
-        assert torch.allclose(local_w[k], ray_w[k], rtol=1e-4, atol=1e-6), k
-    assert not torch.equal(local_w["model.norm.weight"], _weights(tiny_model_dir)["model.norm.weight"])
+        update = (local_w[k] - init[k]).norm()
+        assert update > 0, k
+        assert (ray_w[k] - local_w[k]).norm() <= 1e-4 * update, k
+        assert torch.allclose(local_w[k], ray_w[k], rtol=0, atol=1e-5), k
 
 
 async def _rollout(rt, problems, on_done=None):

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import time
@@ -288,14 +287,6 @@ async def _start_engines(ray, cluster: ClusterConfig, cfg: EngineConfig, fleet: 
 # ---- sandboxes -------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """The service dies with its node actor (Linux), so a lost actor leaves no orphan service."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class SandboxNode:
     """Runs `tirl sandbox serve` on its node; `ensure()` restarts it when it stopped answering."""
 
@@ -319,11 +310,13 @@ class SandboxNode:
         return {"url": self.url, "pid": self.proc.pid, "restarts": self.restarts}
 
     def _start(self) -> None:
+        from tirl import lifetime
         from tirl.sandbox.service import serve_command
 
-        env = {**os.environ, "TIRL_SANDBOX_TOKEN": self.token}
+        # The service dies with this actor (tirl.lifetime): a lost node actor leaves no orphan service.
+        env = {**os.environ, "TIRL_SANDBOX_TOKEN": self.token, lifetime.ENV: str(os.getpid())}
         argv = serve_command(self.cfg, self.host, self.port)
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while not self._healthy():
             if self.proc.poll() is not None:
