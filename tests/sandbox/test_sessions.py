@@ -105,6 +105,26 @@ async def test_abandoned_sessions_leave_nothing_behind():
         wait_idle([z for z in zygote_pids(os.getpid()) if z in zygotes] or zygotes)
         assert open_fds(os.getpid()) <= fds, "session pipes or pidfds leaked"
         assert rss_pages(os.getpid()) - rss < 64 * 256, "the pool's memory grew with abandoned sessions"
-        live = set(processes_of_uids(set(sb.uids), include_zombies=True))
+        live = set(processes_of_uids(set(sb.uids) | set(sb.session_uids), include_zombies=True))
         assert len(live) <= 1, f"session processes outlived their sessions: {live}"  # only the prepared child
         assert set(_session_cgroups()) <= groups_before, "session cgroups were left behind"
+
+
+@session_loop
+async def test_a_session_cannot_meet_other_calls_or_sessions(pool):
+    """Each session has its own uid and network namespace: what it leaves listening reaches no one."""
+    name = f"tirl-{os.getpid()}-session"
+    listen = f"import os, socket\ns = socket.socket(socket.AF_UNIX)\ns.bind('\\0{name}')\ns.listen()\nprint(os.getuid())"
+    connect = (
+        f"import os, socket\nc = socket.socket(socket.AF_UNIX)\ntry:\n    c.connect('\\0{name}')\n    print('met')\n"
+        "except OSError as e:\n    print(type(e).__name__)\nprint(os.getuid())"
+    )
+    async with await pool.open_session() as first, await pool.open_session() as second:
+        r = await first.run(listen)
+        assert r.status == Status.OK, r
+        first_uid = int(r.stdout)
+        others = [await second.run(connect)] + [await pool.run(connect) for _ in range(2)]  # both slots
+        for o in others:
+            refused, uid = o.stdout.split()
+            assert refused == "ConnectionRefusedError", o
+            assert int(uid) != first_uid, "a session must not share its uid with other code"

@@ -16,6 +16,7 @@ failure reported before STARTED is the sandbox's, and nothing user code does can
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fcntl
 import json
 import os
@@ -33,7 +34,9 @@ from tirl.sandbox.isolation import MiB
 if TYPE_CHECKING:
     from tirl.sandbox.limits import Limits
 
-FORK, NEXT, SESSION = b"f", b"n", b"s"  # SESSION: the prepared child was handed off as a session
+# SESSION + uid: fork a session's process (its own uid and network namespace: nothing it leaves
+# running can meet the slot's calls or other sessions); it is reaped whenever it ends.
+FORK, NEXT, SESSION = b"f", b"n", b"S"
 REQUEST_FD = cell.RESULT_FD + 1  # the prepared child reads its call from here
 CONFINE_FAILED = 121  # exit code of a child whose set-up failed (only meaningful before STARTED)
 STARTED = b"\x00started\n"  # first bytes on the result pipe once set-up is done and user code starts
@@ -98,16 +101,19 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
         if sock not in ready:
             continue
         try:
-            command = sock.recv(1)
+            command = sock.recv(64)
         except OSError:
             break
         if not command:
             break
+        if command.startswith(SESSION):
+            uid = int(command[1:]) if command[1:] else plan.uid
+            session_plan = dataclasses.replace(plan, uid=uid, own_network=plan.namespaces and not plan.userns)
+            pid = _prepare(sock, session_plan, program, own_pidns, workdir_mb)
+            sessions[os.pidfd_open(pid)] = pid
+            continue
         if command == NEXT and running:
             _reap(sock, running.popleft())
-        elif command == SESSION and running:
-            pid = running.pop()
-            sessions[os.pidfd_open(pid)] = pid
         running.append(_prepare(sock, plan, program, own_pidns, workdir_mb))
     os._exit(0)  # prepared children see EOF on their request pipe and exit; PDEATHSIG does the rest
 

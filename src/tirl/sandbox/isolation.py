@@ -55,6 +55,7 @@ class Plan:
     seccomp: bool = True
     cgroup: SlotCgroup = field(default_factory=SlotCgroup)
     runtime_paths: list[str] = field(default_factory=list)
+    own_network: bool = False  # a network namespace of its own (sessions; calls share their slot's)
 
     @property
     def runtime_under_workdir(self) -> list[str]:
@@ -245,7 +246,8 @@ def confine_call(plan: Plan, seccomp_program: bytes | None, workdir_mb: int) -> 
     # pages, so its page faults never wait for huge-page compaction.
     linux.prctl(linux.PR_SET_THP_DISABLE, 1)
     if plan.namespaces:
-        linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
+        own_net = linux.CLONE_NEWNET if plan.own_network else 0
+        linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS | own_net)
         linux.sethostname(HOSTNAME)
         if plan.pid_namespace:  # a proc of our own pid namespace: the call sees only its processes
             linux.mount("proc", "/proc", "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)

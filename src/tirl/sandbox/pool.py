@@ -52,7 +52,9 @@ class _Slot:
 
 
 _pool_ids = itertools.count()
-UIDS_PER_POOL = 512  # one uid per zygote: a slot and its light twin
+UIDS_PER_POOL = 512
+LANE_UIDS = 256  # the first half: one uid per zygote (a slot and its light twin)
+SESSION_UIDS = UIDS_PER_POOL - LANE_UIDS  # the second half: one per live session
 
 
 POOLS_PER_PROCESS = 64
@@ -151,8 +153,12 @@ class Sandbox:
         self._heavy_config = {**common, "preload": preload}
         # A light twin per slot only pays off when the preload holds more than the stdlib.
         self._light_config = {**common, "preload": light_preload} if light_preload != preload else None
-        if self._lanes() > UIDS_PER_POOL:
-            raise ValueError(f"slots={self.slots} is too many: a pool runs at most {UIDS_PER_POOL} zygotes, "
+        if max_sessions > SESSION_UIDS:
+            raise ValueError(
+                f"max_sessions={max_sessions} is too many: at most {SESSION_UIDS} (one uid each)"
+            )
+        if self._lanes() > LANE_UIDS:
+            raise ValueError(f"slots={self.slots} is too many: a pool runs at most {LANE_UIDS} zygotes, "
                              f"one uid each (two per slot unless the preload is stdlib-only); use fewer slots")  # fmt: skip
         self._slots: list[_Slot] = []
         self._idle: asyncio.Queue[_Slot] = asyncio.Queue()
@@ -170,6 +176,7 @@ class Sandbox:
             session_cpu_s,
         )
         self._sessions: dict[str, Session] = {}
+        self._session_uids: set[int] = set()  # indices in use within the session uid range
 
     # ---- lifecycle ----
 
@@ -365,17 +372,24 @@ class Sandbox:
         if slot is None:
             raise SessionError(f"no free slot within {self.queue_timeout_s:g} s to start a session")
         healthy = False
+        uid_index = min(set(range(SESSION_UIDS)) - self._session_uids)
+        uid = self.uid_base + LANE_UIDS + uid_index if self._mode == "root" else None
+        self._session_uids.add(uid_index)
         try:
-            child, healthy = await self._hand_off(slot)
+            child, healthy = await self._hand_off(slot, uid)
+        except BaseException:
+            self._session_uids.discard(uid_index)
+            raise
         finally:
             if healthy:
                 self._idle.put_nowait(slot)
             else:
                 self._respawn_later(slot, slot)
         if child is None:
+            self._session_uids.discard(uid_index)
             raise SessionError("sandbox error: the slot failed to hand over a session")
         group = self._session_cgroup(child.pid, session_limits)
-        session = Session(session_limits, child, group, owner=self)
+        session = Session(session_limits, child, group, owner=self, uid_index=uid_index)
         self._sessions[session.id] = session
         ready = await session.start(session_limits.with_overrides(timeout_s=self.session_cpu_s))
         if not session.alive:
@@ -384,10 +398,10 @@ class Sandbox:
         self._reap_idle_sessions_later()
         return session
 
-    async def _hand_off(self, slot: _Slot) -> tuple[forkserver.Prepared | None, bool]:
+    async def _hand_off(self, slot: _Slot, uid: int | None) -> tuple[forkserver.Prepared | None, bool]:
         proc = slot.proc
         try:
-            proc.stdin.write(framing.encode({"session": True}))
+            proc.stdin.write(framing.encode({"session": True, "uid": uid}))
             reply = await asyncio.wait_for(framing.read_frame_async(proc.stdout), GRACE_S)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             with contextlib.suppress(ProcessLookupError):
@@ -438,6 +452,7 @@ class Sandbox:
         self._sessions.pop(session.id, None)
         await session.close(reason)
         session.cgroup.close()
+        self._session_uids.discard(session.uid_index)  # its processes are gone: the uid is free again
 
     def _reap_idle_sessions_later(self) -> None:
         if any(t.get_name() == "session-reaper" for t in self._tasks):
@@ -502,7 +517,15 @@ class Sandbox:
 
     @property
     def uids(self) -> list[int]:
+        """The zygotes' uids (their calls run as these)."""
         return [lane.plan.uid for s in self._slots for lane in s.lanes() if lane.plan.uid is not None]
+
+    @property
+    def session_uids(self) -> list[int]:
+        """Every uid a session of this pool may run as."""
+        if self._mode != "root":
+            return []
+        return list(range(self.uid_base + LANE_UIDS, self.uid_base + UIDS_PER_POOL))
 
     def features(self) -> dict:
         """Which isolation features are active in this pool, and what is missing."""

@@ -48,6 +48,7 @@ class Session:
     lost: str | None = None  # why the session is gone, once it is
     calls: int = 0
     owner: Any = None  # the Sandbox pool that opened it (its run/close go through the pool)
+    uid_index: int = 0  # which of the pool's session uids it runs as
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:

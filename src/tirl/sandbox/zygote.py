@@ -293,12 +293,13 @@ def main() -> None:
         except EOFError:
             break
         recycle = calls >= max_calls
-        if req.get("session"):  # hand the prepared child to the pool as a session
+        if req.get("session"):  # a session's process, handed to the pool (which owns it from then on)
             try:
-                socket.send_fds(handoff, [b"p%d" % child.pid], list(child.fds()))
-                child.close()
-                server.send(forkserver.SESSION)
-                child = forkserver.receive(server)
+                uid = req.get("uid")
+                server.send(forkserver.SESSION + (b"%d" % uid if uid is not None else b""))
+                session = forkserver.receive(server)
+                socket.send_fds(handoff, [b"p%d" % session.pid], list(session.fds()))
+                session.close()
                 framing.write_frame(ctl_out, {"session": True, "recycle": False})
                 continue
             except Exception as exc:
