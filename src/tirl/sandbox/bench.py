@@ -83,8 +83,8 @@ async def process_per_call(code: str, timeout: float = 60.0) -> ExecResult:
     )
 
 
-async def service_health(url: str) -> dict:
-    async with httpx.AsyncClient() as http:
+async def service_health(url: str, token: str | None) -> dict:
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"} if token else {}) as http:
         return (await http.get(f"{url}/health")).json()
 
 
@@ -114,9 +114,14 @@ def cpu_by_part(service_pid: int) -> dict[str, float]:
     forking and reaping; calls: every call process (confinement, the code, exit), counted when reaped.
     """
     zygotes = [z for z in _children(service_pid) if b"tirl.sandbox.zygote" in _cmdline(z)]
-    servers = [f for z in zygotes for f in _children(z)]
-    parts = {"service (HTTP + pool)": _cpu_s(service_pid)[0], "supervisors": sum(_cpu_s(z)[0] for z in zygotes),
-             "fork servers": sum(_cpu_s(f)[0] for f in servers), "call processes": sum(_cpu_s(f)[1] for f in servers)}  # fmt: skip
+    servers = [f for z in zygotes for f in _children(z) if b"tirl.sandbox.zygote" in _cmdline(f)]
+    parts = {
+        "service (HTTP + pool)": _cpu_s(service_pid)[0],
+        "supervisors": sum(_cpu_s(z)[0] for z in zygotes),
+        "fork servers": sum(_cpu_s(f)[0] for f in servers),
+        # reaped by the fork servers (by the zygotes themselves in a layout without fork servers)
+        "call processes": sum(_cpu_s(p)[1] for p in servers or zygotes),
+    }
     parts["client (this process)"] = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
     return parts
 
@@ -133,7 +138,7 @@ async def run_bench(calls: int, levels: list[int], slots: int | None, rss_calls:
     rows, split = [], []
     async with open_executor(cfg) as client:
         await client.run_batch([{"code": c} for c in WORKLOADS.values()] * 4)  # first connections, page cache
-        service_pid = (await service_health(client.endpoints[0]))["service_pid"]
+        service_pid = (await service_health(client.endpoints[0], client.token))["service_pid"]
         for name, code in WORKLOADS.items():
             base_calls = max(16, calls // (3 if name == "trivial print" else 8))
             for c in levels:
@@ -149,9 +154,9 @@ async def run_bench(calls: int, levels: list[int], slots: int | None, rss_calls:
         rss = ""
         if rss_calls:
             url = client.endpoints[0]
-            before = (await service_health(url))["service_rss_mb"]
+            before = (await service_health(url, client.token))["service_rss_mb"]
             m = await measure(client.run, WORKLOADS["trivial print"], rss_calls, max(levels))
-            after = (await service_health(url))["service_rss_mb"]
+            after = (await service_health(url, client.token))["service_rss_mb"]
             rss = (f"\nService RSS: {before:.1f} MiB before, {after:.1f} MiB after {rss_calls} more calls "
                    f"({m.rate:.0f} calls/s, {m.failures} failed).")  # fmt: skip
     return table(rows) + "\n\nCPU per call, by part (ms):\n" + cpu_table(split) + rss
