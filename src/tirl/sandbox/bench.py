@@ -114,7 +114,7 @@ def cpu_by_part(service_pid: int) -> dict[str, float]:
     forking and reaping; calls: every call process (confinement, the code, exit), counted when reaped.
     """
     zygotes = [z for z in _children(service_pid) if b"tirl.sandbox.zygote" in _cmdline(z)]
-    servers = [f for z in zygotes for f in _children(z) if b"tirl.sandbox.zygote" in _cmdline(f)]
+    servers = [f for z in zygotes for f in _children(z) if _uid(f) == _uid(z)]  # a call runs as a sandbox uid
     parts = {
         "service (HTTP + pool)": _cpu_s(service_pid)[0],
         "supervisors": sum(_cpu_s(z)[0] for z in zygotes),
@@ -124,6 +124,13 @@ def cpu_by_part(service_pid: int) -> dict[str, float]:
     }
     parts["client (this process)"] = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
     return parts
+
+
+def _uid(pid: int) -> int | None:
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid
+    except OSError:
+        return None
 
 
 def _cmdline(pid: int) -> bytes:
