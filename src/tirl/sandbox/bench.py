@@ -127,9 +127,10 @@ def cpu_by_part(service_pid: int) -> dict[str, float]:
 
 
 def _uid(pid: int) -> int | None:
-    try:
-        return Path(f"/proc/{pid}").stat().st_uid
-    except OSError:
+    try:  # the real uid (/proc/<pid> itself is root's once a process is no longer dumpable)
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+    except (OSError, StopIteration, ValueError):
         return None
 
 
