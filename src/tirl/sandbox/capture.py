@@ -69,11 +69,14 @@ def collect(
     keep: int,
     cap: int,
     before_kill: Callable[[], None] | None = None,
+    send: tuple[int, bytes] | None = None,
 ) -> Collected:
     """Drain the call's pipes until it exits and they close, or kill it at the deadline/cap.
 
     `pidfd` may belong to a process we did not fork (the fork server is its parent); `before_kill`
-    runs just before a deadline kill, while the call's threads can still be inspected.
+    runs just before a deadline kill, while the call's threads can still be inspected. `send`:
+    bytes written to a pipe of the call as it reads them (its request and stdin), under the same
+    deadline, then the pipe is closed (a call too slow to take its input cannot hang us).
     """
     got = Collected(StreamCapture(keep), StreamCapture(keep), b"", None)
     # Drained like the others (a writer blocked on a full pipe would hang the call); the start
@@ -84,6 +87,11 @@ def collect(
     for fd in (*sinks, pidfd):
         sel.register(fd, selectors.EVENT_READ)
     exited = False
+    out_fd_w, pending = send if send is not None else (-1, b"")
+    view = memoryview(pending)
+    if out_fd_w >= 0:
+        os.set_blocking(out_fd_w, False)
+        sel.register(out_fd_w, selectors.EVENT_WRITE)
     try:
         while sinks or not exited:
             remaining = deadline - time.monotonic()
@@ -92,6 +100,16 @@ def collect(
                 break
             for key, _ in sel.select(remaining):
                 fd = key.fd
+                if fd == out_fd_w:
+                    try:
+                        view = view[os.write(fd, view[: 1 << 20]) :]
+                    except BrokenPipeError:  # it died in set-up; it says why on the result pipe
+                        view = view[:0]
+                    if not view:
+                        sel.unregister(fd)
+                        os.close(fd)
+                        out_fd_w = -1
+                    continue
                 if fd == pidfd:
                     exited = True
                     sel.unregister(pidfd)
@@ -111,6 +129,8 @@ def collect(
                 before_kill()
             # pid 1 of its namespace: the kernel kills every descendant
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        if out_fd_w >= 0:
+            os.close(out_fd_w)
         sel.close()
     got.result = (
         bytes(result.head + b"\n" + result.tail) if result.dropped else bytes(result.head + result.tail)

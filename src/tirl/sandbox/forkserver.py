@@ -170,9 +170,9 @@ def _child(
         os._exit(0)  # the supervisor is shutting down
     session = bool(req.get("session"))
     try:
+        _set_stdin(req)  # before the limits: stdin is not the code's file output
         if not session:
             os.close(REQUEST_FD)
-        _set_stdin(req)  # before the limits: stdin is not the code's file output
         limits = call_limits(req)
         isolation.apply_limits(
             limits, address_space + limits.memory_mb * MiB, with_nproc=plan.uid is not None
@@ -186,8 +186,19 @@ def _child(
 
 
 def _set_stdin(req: dict) -> None:
+    """The call's stdin as a file on fd 0: raw bytes following the request (stateless calls), or
+    the request's own "stdin" text (sessions)."""
     stdin_fd = os.memfd_create("stdin")
-    os.write(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
+    if "stdin_bytes" in req:
+        left = req["stdin_bytes"]
+        while left:
+            chunk = os.read(REQUEST_FD, min(left, 1 << 20))
+            if not chunk:
+                raise EOFError("the request ended before its stdin")
+            os.write(stdin_fd, chunk)
+            left -= len(chunk)
+    else:
+        os.write(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     os.dup2(stdin_fd, 0)
     os.close(stdin_fd)

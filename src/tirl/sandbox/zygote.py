@@ -15,7 +15,6 @@ The supervisor asks to be recycled after `max_calls` calls or when its memory gr
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib
 import io
@@ -217,14 +216,16 @@ def serve_call(
     oom_before, cpu_before = plan.cgroup.oom_kills(), plan.cgroup.cpu_ns()
     run_wait: list[float | None] = [None]
     start = time.monotonic()
+    # The request as a small JSON header, then stdin as raw bytes the child streams into its stdin
+    # file: a large stdin is never parsed (nor held twice) inside the call's memory limit.
+    stdin = req.get("stdin", "").encode("utf-8", "surrogateescape")
+    header = {k: v for k, v in req.items() if k != "stdin"} | {"stdin_bytes": len(stdin)}
+    request, child.request = child.request, -1  # collect() writes it and closes it
     try:
-        with contextlib.suppress(BrokenPipeError):  # a child that died in setup says why on fd 3
-            framing.write_frame(child.request, req)
-        os.close(child.request)
-        child.request = -1
         got = capture.collect(
             child.pidfd, child.stdout, child.stderr, child.result, start + limits.timeout_s, limits.keep_bytes,
             limits.output_bytes, before_kill=lambda: run_wait.__setitem__(0, _run_wait_ms(child.pid)),
+            send=(request, framing.encode(header) + stdin),
         )  # fmt: skip
     finally:
         child.close()
