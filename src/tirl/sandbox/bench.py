@@ -120,7 +120,7 @@ def cpu_by_part(service_pid: int) -> dict[str, float]:
         "supervisors": sum(_cpu_s(z)[0] for z in zygotes),
         "fork servers": sum(_cpu_s(f)[0] for f in servers),
         # reaped by the fork servers (by the zygotes themselves in a layout without fork servers)
-        "call processes": sum(_cpu_s(p)[1] for p in servers or zygotes),
+        "call processes": sum(_cpu_s(p)[1] for p in (*servers, *zygotes)),
     }
     parts["client (this process)"] = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
     return parts

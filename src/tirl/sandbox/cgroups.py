@@ -180,6 +180,8 @@ def _create_v2(base: Path, slots: int, notes: list[str]) -> list[SlotCgroup]:
             f"cgroup v2: cannot delegate cpu below {base.parent} ({e.strerror}): no CPU quota per slot"
         )
     dirs = [_mkdir(base / f"slot{i}") for i in range(slots)]
+    if cpu:  # the service's group weighs as much as its slots would as plain processes
+        _write(base / "cpu.weight", str(min(10000, 100 * slots)))
     groups = []
     for d in dirs:
         if d and cpu and _write(Path(d) / "cpu.max", f"{CPU_PERIOD_US} {CPU_PERIOD_US}"):
@@ -200,6 +202,8 @@ def _create_v1(own: dict[str, str], service: str, slots: int, notes: list[str]) 
         if not any(per_controller.get(controller, [])):
             notes.append(f"cgroup {controller} controller unavailable (not mounted or not writable)")
     cpu = per_controller.get("cpu", [None] * slots)
+    if any(cpu):  # the service's group weighs as much as its slots would as plain processes
+        _write(ROOT / "cpu" / own["cpu"].lstrip("/") / service / "cpu.shares", str(1024 * slots))
     for i, d in enumerate(cpu):  # one CPU per slot at most
         if d and not (
             _write(Path(d) / "cpu.cfs_period_us", str(CPU_PERIOD_US))
