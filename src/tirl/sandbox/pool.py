@@ -449,10 +449,10 @@ class Sandbox:
         return True
 
     async def _close_session(self, session: Session, reason: str) -> None:
-        self._sessions.pop(session.id, None)
-        await session.close(reason)
+        await session.close(reason)  # later calls are told it is gone at once
         session.cgroup.close()
         self._session_uids.discard(session.uid_index)  # its processes are gone: the uid is free again
+        self._sessions.pop(session.id, None)  # listed until everything it held is released
 
     def _reap_idle_sessions_later(self) -> None:
         if any(t.get_name() == "session-reaper" for t in self._tasks):
