@@ -51,7 +51,7 @@ TOOL_PLANS = ("I will compute this with Python.", "Let me run Python to get the 
 FIX_PLANS = ("The code failed. Let me fix it.", "There is an error in my code; fixing it.")
 GUESS_PLANS = ("This looks easy to estimate: about {g}.", "A rough mental estimate gives {g}.")
 GIVE_UP_PLANS = ("The tool failed. I will estimate instead: about {g}.", "No result; my best guess is {g}.")
-INFRA_RETRIES = 3  # per snippet, for infrastructure failures (starved, queue timeout)
+INFRA_RETRIES = 5  # per snippet, for infrastructure failures (starved, queue timeout)
 FAILURES = ("syntax", "runtime", "stdin", "malformed", "timeout")  # kinds of failed first calls
 DONE = "The code printed the result.</reason>\n<answer>\\boxed{{{n}}}</answer>"
 
