@@ -64,9 +64,6 @@ SMALL: dict[str, Rule] = {
     # `make demo` is `make install` (what CI has just done) + `tirl demo`.
     "make demo": Rule(extra=MICRO_DEMO),
     "tirl demo --compare grpo": Rule(extra=MICRO_DEMO),
-    "tirl demo --compare grpo --seeds": Rule(
-        replace={"3": "2", "demo.rl_steps=10": "demo.rl_steps=1"}, extra=MICRO_DEMO
-    ),
     "tirl analyze": Rule(),
     "tirl sft --config src/tirl/configs/demo/sft.yaml": Rule(extra=["batch_size=8"]),
     "tirl train --config src/tirl/configs/demo/train.yaml": Rule(
