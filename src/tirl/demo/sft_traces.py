@@ -219,16 +219,26 @@ async def make_traces(
     gate = asyncio.Semaphore(16)
 
     async def run(code: str) -> str:
-        for attempt in range(INFRA_RETRIES + 1):  # a starved or queued-out call is the machine's fault
+        for attempt in range(INFRA_RETRIES + 1):  # a starved, queued-out or lost call is the machine's fault
             async with gate:
-                result = await executor.run(code, "", cfg.tool_timeout)
-            if not result.is_infra_error:
+                try:  # the agent loop's hard cap on one call, too: a lost call must not hang the demo
+                    result = await asyncio.wait_for(
+                        executor.run(code, "", cfg.tool_timeout), cfg.tool_wait_timeout
+                    )
+                except TimeoutError:
+                    result = None
+            if result is not None and not result.is_infra_error:
                 break
             await asyncio.sleep(2.0 * (attempt + 1))
         else:
+            what = (
+                f"{result.status}: {result.message}"
+                if result
+                else f"no result within {cfg.tool_wait_timeout} s"
+            )
             raise RuntimeError(
-                f"the sandbox failed {INFRA_RETRIES + 1} times while making SFT traces ({result.status}): "
-                f"{result.message}; if the machine is overloaded, rerun when it is quieter"
+                f"the sandbox failed {INFRA_RETRIES + 1} times while making SFT traces ({what}); "
+                "if the machine is overloaded, rerun when it is quieter"
             )
         return truncate_middle(result.render(show_time=cfg.show_exec_time), cfg.tool_output_max_chars)
 
