@@ -24,6 +24,7 @@ from typing import Literal, Protocol
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from tirl import lifetime
 from tirl.sandbox.client import SandboxClient
 from tirl.sandbox.limits import DEFAULT_LIMITS, Limits, MiB
 from tirl.sandbox.pool import Sandbox
@@ -100,7 +101,9 @@ async def _wait_healthy(url: str, token: str, proc: subprocess.Popen, timeout_s:
 async def _local_service(cfg: SandboxConfig) -> AsyncIterator[SandboxClient]:
     port, token = _free_port(), secrets.token_urlsafe(24)
     argv = serve_command(cfg, "127.0.0.1", port)
-    env = {**os.environ, "TIRL_SANDBOX_TOKEN": token}  # the token never shows in `ps`
+    # The token never shows in `ps`; the service dies with this process even when it is killed
+    # (tirl.lifetime), whether or not it is a tirl command (a script, a benchmark, a test).
+    env = {**os.environ, "TIRL_SANDBOX_TOKEN": token, lifetime.ENV: str(os.getpid())}
     # Its own process group: Ctrl-C in the terminal (e.g. stopping one `tirl chat` answer) reaches the
     # parent, which stops the service in order, not the service itself. It dies with its parent
     # (tirl.lifetime).
