@@ -550,6 +550,8 @@ class Sandbox:
             "rlimits": ["CPU", "FSIZE", "NOFILE", "CORE", "AS", *(["NPROC"] if root else [])],
             "cgroup_memory": cg.memory_dir is not None,
             "cgroup_pids": cg.pids_dir is not None,
+            "cgroup_cpu_quota": cg.cpu_dir is not None,  # at most one CPU per slot
+            "starvation_detection": cg.cpuacct_dir is not None,
         }
         return {"active": active, "missing": self._missing + notes}
 
