@@ -176,13 +176,24 @@ def eval_command(
     sandbox_endpoint: list[str] = typer.Option([], "--sandbox-endpoint", help="Remote sandbox URL; repeat."),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Benchmark files (else $TIRL_DATA_DIR)."),
     reward_workers: int | None = typer.Option(None, "--reward-workers", min=1, help="math-verify processes."),
+    cluster: str = typer.Option(
+        "local", "--cluster", help="local, or ray: engine actors and sandboxes on a Ray cluster."
+    ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray-address",
+        help="--cluster ray: auto or HOST:PORT (default: $RAY_ADDRESS, else a Ray started here).",
+    ),
+    gpus_per_engine: float = typer.Option(
+        0.0, "--gpus-per-engine", min=0.0, help="--cluster ray: GPUs per engine actor."
+    ),
 ) -> None:
     """Run the agent k times on every problem; write avg@k pass@1, pass@k, maj@k and tool statistics."""
     from tirl.config import ConfigError, ensure_writable_dir, load_config
     from tirl.data import DataError
     from tirl.engines.config import EngineConfig
     from tirl.engines.factory import load_tokenizer
-    from tirl.eval.commands import load_benchmarks, run_eval
+    from tirl.eval.commands import eval_cluster, load_benchmarks, run_eval
     from tirl.eval.config import EvalConfig, with_model_agent
     from tirl.reward import RewardConfig
     from tirl.rl.checkpoint import resolve_model_path
@@ -198,6 +209,7 @@ def eval_command(
         cfg, source = with_model_agent(cfg, model)
         engine_cfg = EngineConfig(backend=engine, model=model, num_engines=num_engines, device=device)
         reward_cfg = RewardConfig(workers=reward_workers) if reward_workers else RewardConfig()
+        cluster_cfg = eval_cluster(cluster, ray_address, gpus_per_engine)
         ensure_writable_dir(out, "--out")
         benchmarks = load_benchmarks(data, limit, data_dir)
         tokenizer = load_tokenizer(model)
@@ -206,8 +218,9 @@ def eval_command(
     typer.echo(source, err=True)
     try:
         run_eval(
-            engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len, tokenizer=tokenizer
-        )
+            engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len,
+            cluster=cluster_cfg, tokenizer=tokenizer,
+        )  # fmt: skip
     except KeyboardInterrupt:  # run_eval said what was kept
         raise typer.Exit(130) from None
 

@@ -5,7 +5,8 @@ Three departures from plain PyYAML, both so that what the docs write works as wr
   as False); boolean fields still accept on/off/yes/no, which pydantic converts.
 - `1e-6` is a float (YAML 1.1 wanted `1.0e-6`).
 - A section may name another YAML file (`agent: agent.yaml`, relative to the config): one definition of
-  the agent protocol shared by the demo's sft, train and eval configs.
+  the agent protocol shared by the demo's sft, train and eval configs. On the command line
+  (`cluster=src/tirl/configs/rstar2/cluster_64gpu.yaml`) the path is relative to the working directory.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def load_config(model: type[M], path: str | Path | None = None, overrides: list[
     if path is not None:
         data = include_sections(model, data, Path(path).parent)
     data = apply_overrides(data, list(overrides or []))
+    data = include_sections(model, data, Path.cwd())  # `cluster=path/to/cluster.yaml` on the command line
     return validate(model, data, f" in {path}" if path else "")
 
 

@@ -54,3 +54,17 @@ def test_missing_ray_is_one_clear_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'tirl[ray]'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_paper_cluster_layout_loads_and_adds_up():
+    """configs/rstar2/cluster_64gpu.yaml with the recipe: 64 engines + 64 ranks at 0.5 GPU = 8 x 8 GPUs."""
+    pytest.importorskip("ray")
+    rstar2 = Path(__file__).parents[2] / "src/tirl/configs/rstar2"
+    cfg = load_config(
+        TrainConfig,
+        rstar2 / "train.yaml",
+        [f"cluster={rstar2 / 'cluster_64gpu.yaml'}", "engine.num_engines=64"],
+    )
+    c = cfg.cluster
+    assert c.backend == "ray" and c.sandbox.resource == "sandbox_node"
+    assert cfg.engine.num_engines * c.engines.num_gpus + c.trainer.ranks * c.trainer.num_gpus == 64

@@ -234,3 +234,28 @@ def test_unreachable_address_is_one_clear_error():
     )
     assert proc.returncode != 0
     assert "cannot reach the Ray cluster at cluster.address='127.0.0.1:9'" in proc.stderr
+
+
+def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_dir, tmp_path):
+    """`tirl eval --cluster ray`: one evaluation over both engine actors (one per node)."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in PROBLEMS))
+    src = str(Path(__file__).parents[2] / "src")
+    cmd = [
+        sys.executable, "-m", "tirl.cli", "eval", "--model", str(tiny_model_dir), "--data", str(data),
+        "--samples", "4", "--max-turns", "2", "--max-tokens", "24", "--num-engines", "2", "--device", "cpu",
+        "--reward-workers", "1", "--out", str(tmp_path / "eval"),
+        "--cluster", "ray", "--ray-address", cluster.address,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": src}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    runtime = metrics["config"]["runtime"]
+    assert runtime["backend"] == "ray"
+    leases = [runtime["rollout/leases/hf0"], runtime["rollout/leases/hf1"]]
+    assert sum(leases) == len(PROBLEMS) * 4 and min(leases) > 0

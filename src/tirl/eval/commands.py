@@ -59,6 +59,23 @@ def check_context(tokenizer, problems, agent_cfg, max_model_len: int, where: str
     return prompt
 
 
+def eval_cluster(backend: str, address: str | None, gpus_per_engine: float) -> ClusterConfig:
+    """`--cluster local|ray` (+ `--ray-address`, `--gpus-per-engine`) as a validated cluster section."""
+    from pydantic import ValidationError
+
+    from tirl.config import ConfigError
+
+    if backend not in ("local", "ray"):
+        raise ConfigError(f"--cluster {backend!r}: use local or ray")
+    if backend == "local":
+        return ClusterConfig()
+    address = address or os.environ.get("RAY_ADDRESS")
+    try:
+        return ClusterConfig(backend="ray", address=address, engines={"num_gpus": gpus_per_engine})
+    except ValidationError as e:
+        raise ConfigError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
+
+
 def sandbox_config(endpoints: list[str]):
     """Remote when endpoints are given (bearer token from $TIRL_SANDBOX_TOKEN), else a local service
     started for this run."""
@@ -113,9 +130,14 @@ def run_eval(
         async with open_runtime(
             cluster or ClusterConfig(), engine_cfg, sandbox, reward_cfg or RewardConfig(), tokenizer
         ) as rt:
-            return await evaluate(
+            report = await evaluate(
                 rt.pool, rt.tokenizer, rt.executor, benchmarks, cfg, rt.scorer, finished=finished
             )
+            report.config["runtime"] = {
+                "backend": rt.backend,
+                **rt.engine_metrics(),
+            }  # trajectories per engine
+            return report
 
     try:
         report = asyncio.run(main())

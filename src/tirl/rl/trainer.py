@@ -260,8 +260,12 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
         metrics["perf/rollout_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
     # 6. update: every rank trains on its share of the kept samples
     samples = broadcast_object(samples, info)
+    if run.runtime is not None:  # colocated engines free their GPU memory for training (vLLM sleep mode)
+        run.runtime.sleep()
     with timer("train"):
         metrics |= run.learner.update(samples, alg)
+    if run.runtime is not None:
+        run.runtime.wake_up()
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
     # 7. weight sync: the engines sample from the updated policy from the next step on
     with timer("sync"):

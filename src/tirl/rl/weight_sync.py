@@ -85,7 +85,8 @@ def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     pg.broadcast([tensor], opts).wait()
 
 
-def _broadcast_object(pg: dist.ProcessGroup, obj: object | None, device: torch.device) -> object:
+def broadcast_pickled(pg: dist.ProcessGroup, obj: object | None, device: torch.device) -> object:
+    """Rank 0's object (others pass None) on every member: its size, then its pickled bytes."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
     payload = pickle.dumps(obj) if obj is not None else b""
     size[0] = len(payload)
@@ -110,7 +111,7 @@ def send_weights(
     entries = [Entry(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
     buckets = plan_buckets(entries, bucket_bytes)
     if pg is not None:
-        _broadcast_object(pg, buckets, device)
+        broadcast_pickled(pg, buckets, device)
     sent = peak = 0
     with torch.no_grad():
         for bucket in buckets:
@@ -135,7 +136,7 @@ def send_weights(
 
 def receive_weights(pg: dist.ProcessGroup, device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Engine side: yields each bucket as (name, tensor) pairs, views into that bucket's buffer."""
-    buckets = _broadcast_object(pg, None, device)
+    buckets = broadcast_pickled(pg, None, device)
     for bucket in buckets:
         buf = torch.empty(sum(e.nbytes for e in bucket), dtype=torch.uint8, device=device)
         _broadcast(pg, buf)

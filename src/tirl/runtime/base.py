@@ -63,6 +63,18 @@ class Runtime:
         for engine in self.engines:
             engine.load_weights(weights)
 
+    def sleep(self) -> None:
+        """Engines that can free their memory while the trainer needs it do (vLLM sleep mode with
+        engine.enable_sleep_mode, on GPUs: engines colocated with trainer ranks); others keep it."""
+        for engine in self.engines:
+            if hasattr(engine, "sleep"):
+                engine.sleep()
+
+    def wake_up(self) -> None:
+        for engine in self.engines:
+            if hasattr(engine, "wake_up"):
+                engine.wake_up()
+
     def engine_metrics(self) -> dict[str, Any]:
         """Trajectories each engine took since the last call (scheduler leases), infrastructure counters."""
         out: dict[str, Any] = {f"infra/{k}": v for k, v in self.counters.items()}

@@ -172,6 +172,14 @@ class EngineWorker:
         device = torch.device("cuda") if group.backend == "nccl" else torch.device("cpu")
         return await asyncio.to_thread(receive_into, group, rank, self.engine.load_weights, device)
 
+    async def sleep(self) -> None:
+        if hasattr(self.engine, "sleep"):
+            await asyncio.to_thread(self.engine.sleep)
+
+    async def wake_up(self) -> None:
+        if hasattr(self.engine, "wake_up"):
+            await asyncio.to_thread(self.engine.wake_up)
+
     async def state(self) -> dict[str, torch.Tensor]:
         """The served weights (HF engines; tests compare them with the trainer's)."""
         return {k: v.detach().cpu() for k, v in self.engine.model.state_dict().items()}
@@ -211,6 +219,18 @@ class RemoteEngine:
         import ray
 
         ray.get(self.actor.load_weights.remote(list(weights)))
+
+    def sleep(self) -> None:
+        import ray
+
+        if self.up:
+            ray.get(self.actor.sleep.remote())
+
+    def wake_up(self) -> None:
+        import ray
+
+        if self.up:
+            ray.get(self.actor.wake_up.remote())
 
     async def close(self) -> None:
         import ray
