@@ -56,7 +56,7 @@ def _receiver(model_dir: str, conn) -> None:
 
 
 def _checksum(model: torch.nn.Module) -> float:
-    return float(sum(p.double().sum() for p in model.parameters()))
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
 def _sync(model: torch.nn.Module, method: str, bucket_bytes: int, conn) -> float:
@@ -124,7 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"weight sync, CPU (gloo over loopback), median of {args.repeats}")
-    print("| preset | method | params MB | s / sync | MB/s | sender staging MB | time vs full state |")
+    print("| preset | method | params MB | s / sync | MB/s | sender staging MB | speed vs full state |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for preset in args.presets:
         rows = bench_preset(preset, args.repeats, args.bucket_mb)
@@ -132,7 +132,7 @@ def main() -> None:
         for r in rows:
             mb = r["bytes"] / 2**20
             print(f"| {r['preset']} | {r['method']} | {mb:.1f} | {r['s']:.4f} | {mb / r['s']:.0f} | "
-                  f"{r['staged'] / 2**20:.1f} | {r['s'] / full:.2f}x |", flush=True)  # fmt: skip
+                  f"{r['staged'] / 2**20:.1f} | {full / r['s']:.2f}x |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

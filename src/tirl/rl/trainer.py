@@ -1,8 +1,9 @@
 """The GRPO-RoC trainer (`tirl train`): multi-stage agentic RL with checkpoint/resume and FSDP2.
 
-The RL step is `rl_step`, top to bottom. Rollouts, rewards and RoC run on rank 0 (it owns the
-inference engines, the sandbox client and the reward workers); the kept samples are broadcast and
-every rank trains on its share. Everything random is derived from (seed, step, ...), so a resumed
+The RL step is `rl_step`, top to bottom. Rollouts, rewards and RoC run on rank 0 through its
+runtime (tirl.runtime: engines, sandbox, reward workers; `cluster.backend` local or ray); the kept
+samples go to the learner (tirl.rl.learner: this process and the other torchrun ranks, or Ray trainer
+workers), where every rank trains on its share; then the weights are synced into the engines. Everything random is derived from (seed, step, ...), so a resumed
 run replays exactly the batches an uninterrupted run would have drawn.
 """
 
