@@ -38,7 +38,7 @@ MICRO_DEMO = [
 ]  # fmt: skip
 # One RL step of 2 prompts x 2 rollouts on the hf engine, in-process sandbox (for the rstar2 recipe).
 SMALL_RL = [
-    "engine.backend=hf", "engine.device=cpu", "engine.num_engines=1", "engine.max_model_len=512",
+    "engine.backend=hf", "engine.device=cpu", "engine.num_engines=1", "engine.max_model_len=1024",
     "engine.dtype=auto", "agent.max_response_tokens=32", "agent.max_turns=2", "sandbox.mode=inprocess",
     "reward.workers=1", "algorithm.prompts_per_step=2", "algorithm.group_size=2", "optim.device=cpu",
     "optim.gradient_checkpointing=false", "optim.micro_batch_tokens=2048", "logging.tensorboard=false",
@@ -224,6 +224,7 @@ def run_python(snippet: str, cwd: Path, env: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ~20 commands, each a real run at small size
 def test_every_quickstart_command_runs_as_written(rundir):
     cwd, env = rundir
     port = free_port()
@@ -238,6 +239,7 @@ def test_every_quickstart_command_runs_as_written(rundir):
             for argv in shell_commands(block):
                 key, rule = rule_for(argv)
                 command = small(argv, rule, port)
+                print(f"README: {shlex.join(argv)}\n   ran as: {shlex.join(command)}", flush=True)
                 if key == "tirl sandbox serve":  # a server: it runs while the commands below it talk to it
                     server = subprocess.Popen(
                         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -7,9 +7,6 @@ import os
 import typer
 
 from tirl.data.decontaminate import IGNORE_COMMON, NGRAM
-from tirl.lifetime import adopt_parent_death
-
-adopt_parent_death()  # a `tirl sandbox serve` (or vLLM engine) started by a tirl command dies with it
 # transformers draws a progress bar for every model load and save (every checkpoint); tirl prints its own.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 

@@ -1,14 +1,15 @@
 """Child processes die with the tirl command that started them, even when it is killed by SIGKILL, and
-Ctrl-C reaches only that command (which then shuts its children down in order).
+Ctrl-C reaches only that command, which then shuts its children down in order (a child that took the
+terminal's SIGINT too would die first, printing a traceback, or leave the command waiting on it).
 
-A command marks itself with `children_die_with_me()`; then:
-- forked children (vLLM's engine core on CPU, spawned from the engine's thread) get the parent-death
-  signal (prctl PR_SET_PDEATHSIG) and their own process group, through os.register_at_fork;
-- exec'd tirl children (`tirl sandbox serve` started by a run, vLLM's engine core started with
-  multiprocessing `spawn` on CUDA: both import tirl.cli first) find their parent's pid in
-  $TIRL_PARENT_PID and call `die_with_parent()` themselves.
-Linux sends the signal when the *thread* that started the child exits: tirl starts engines and the
-sandbox service from threads that live as long as they do.
+A command marks itself with `children_die_with_me()` (tirl.cli.main); then:
+- forked children (vLLM's engine core on CPU) get the parent-death signal (prctl PR_SET_PDEATHSIG) and
+  their own process group, through os.register_at_fork;
+- Python children that import tirl (`tirl sandbox serve`, sandbox zygotes, reward workers, vLLM's
+  engine core when spawned on CUDA) find their parent's pid in $TIRL_PARENT_PID when `import tirl`
+  runs `adopt_parent_death()`: they take the parent-death signal and ignore SIGINT.
+Linux sends the signal when the *thread* that started the child exits: tirl starts engines, sandboxes
+and reward workers from threads that live as long as they do.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def children_die_with_me() -> None:
 
 
 def adopt_parent_death() -> None:
-    """In a tirl process that a marked tirl command started: die with that command."""
+    """In a process that a marked tirl command started: die with it, and leave Ctrl-C to it."""
     parent = os.environ.get(ENV)
     if parent and parent.isdigit() and int(parent) == os.getppid():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         die_with_parent(int(parent))

@@ -71,3 +71,11 @@ def test_model_paths_that_do_not_exist_fail_at_once(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         resolve_model_path("runs")
     assert resolve_model_path("Qwen/Qwen3-14B") == "Qwen/Qwen3-14B"  # a hub id is left to the hub
+
+
+def test_an_unwritable_run_directory_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = _cfg(blocker)
+    with pytest.raises(ConfigError, match=r"run directory \(output_dir/run_name\) .*cannot write there"):
+        prepare_run_dir(cfg.run_dir, cfg, resume=False, is_main=True)

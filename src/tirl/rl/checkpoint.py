@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel
 
 from tirl.agent.config import AgentConfig
-from tirl.config import ConfigError, dump_config, read_yaml, validate
+from tirl.config import ConfigError, dump_config, ensure_writable_dir, read_yaml, validate
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 AGENT_FILE = "tirl_agent.yaml"
@@ -163,6 +163,6 @@ def prepare_run_dir(
         for name in started:
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_writable_dir(run_dir, "run directory (output_dir/run_name)")
         dump_config(cfg, run_dir / "config.yaml")
     return None

@@ -99,6 +99,7 @@ def _rss_mb(pid: int) -> float:
 
 def _zygote_env() -> dict[str, str]:
     import tirl
+    from tirl import lifetime
 
     return {
         **isolation.CLEAN_ENV,
@@ -108,6 +109,8 @@ def _zygote_env() -> dict[str, str]:
         # 512, which halves the CPU cost of each call's fork and exit.
         "PYTHONMALLOC": "malloc",
         "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+        # tirl.lifetime: the zygote dies with the tirl command that started it and leaves Ctrl-C to it.
+        **{k: v for k, v in os.environ.items() if k == lifetime.ENV},
     }
 
 

@@ -1,0 +1,178 @@
+"""A tirl command's children die with it, even under SIGKILL, and Ctrl-C stops a command cleanly, saying
+how to continue (real commands in subprocesses: the sandbox service, vLLM's engine core, the trainer)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))}
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Live descendants of `pid`: pid -> command line."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in found:
+                try:
+                    found[child] = (
+                        (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    )
+                except OSError:
+                    continue
+                frontier.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Output:
+    """Collects a process's merged output on a thread; `wait_for` blocks until a text appears."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.text, self.proc = "", proc
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for chunk in iter(lambda: self.proc.stdout.read1(4096), b""):
+            self.text += chunk.decode(errors="replace")
+
+    def wait_for(self, text: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text:
+            assert self.proc.poll() is None or text in self.text, self.text[-3000:]
+            assert time.monotonic() < deadline, f"never printed {text!r}:\n{self.text[-3000:]}"
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.vllm,
+                pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+            ],
+        ),
+    ],
+)
+def test_kill_9_of_a_command_takes_its_children_along(tiny_model_dir, engine):
+    """`tirl chat` starts a sandbox service (an exec'd tirl process) and, on vLLM, an engine core (a
+    forked process); SIGKILL of chat alone leaves neither behind."""
+    argv = [sys.executable, "-m", "tirl.cli", "chat", "--model", str(tiny_model_dir), "--engine", engine]
+    proc = subprocess.Popen(
+        [*argv, "--max-tokens", "16"], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        Output(proc).wait_for("problem>")
+        children = descendants(proc.pid)
+        assert any("sandbox serve" in cmd for cmd in children.values()), children
+        if engine == "vllm":
+            assert any("sandbox serve" not in cmd for cmd in children.values()), children  # the engine core
+        proc.kill()  # SIGKILL to chat alone, not to its process group
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while left := {pid: cmd for pid, cmd in children.items() if alive(pid)}:
+            assert time.monotonic() < deadline, f"still running after their parent was killed: {left}"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever the test left (nothing, when it passes)
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path):
+    data = tmp_path / "problems.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+            for i in range(4)
+        )
+    )
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_model_dir), "output_dir": str(tmp_path / "runs"), "run_name": "r",
+                "engine": {"backend": "hf", "device": "cpu", "max_model_len": 1024},
+                "agent": {"max_turns": 1, "max_response_tokens": 8}, "sandbox": {"mode": "inprocess", "slots": 1},
+                "reward": {"workers": 1}, "algorithm": {"prompts_per_step": 1, "group_size": 2},
+                "optim": {"device": "cpu"}, "stages": [{"steps": 1000, "data": str(data)}],
+                "checkpoint": {"every": 1}, "logging": {"tensorboard": False},
+            }
+        )
+    )  # fmt: skip
+    argv = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "seed=3"]
+    proc = subprocess.Popen(
+        argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    output = Output(proc)
+    try:
+        output.wait_for("step 2 ")
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends to its foreground group on Ctrl-C
+        assert proc.wait(timeout=300) == 130, output.text[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    time.sleep(0.5)  # the reader thread drains the pipe
+    assert "Traceback" not in output.text, output.text[-3000:]
+    expected = f"continue with: tirl train --config {config} seed=3 --resume"
+    assert expected in output.text and "is saved at step_00000" in output.text, output.text[-3000:]
+
+
+def test_ctrl_c_in_eval_keeps_the_finished_trajectories(tiny_model_dir, tmp_path):
+    data = tmp_path / "problems.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+            for i in range(8)
+        )
+    )
+    out = tmp_path / "eval"
+    argv = [sys.executable, "-m", "tirl.cli", "eval", "--model", str(tiny_model_dir), "--data", str(data),
+            "--samples", "16", "--max-tokens", "48", "--max-turns", "2", "--out", str(out), "--reward-workers", "1"]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    output = Output(proc)
+    try:
+        output.wait_for("eval: 13/128 trajectories")  # a progress line: the output is not a terminal
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=300) == 130, output.text[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    time.sleep(0.5)
+    assert "Traceback" not in output.text, output.text[-3000:]
+    kept = (out / "trajectories.partial.jsonl").read_text().splitlines()
+    assert f"interrupted: {len(kept)} of 128 trajectories had finished" in output.text, output.text[-3000:]
+    assert 13 <= len(kept) < 128 and all(json.loads(line)["response_ids"] for line in kept)
