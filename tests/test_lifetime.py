@@ -87,6 +87,7 @@ class Output:
         ),
     ],
 )
+@pytest.mark.timeout(900)  # vLLM's engine takes minutes to start on a busy 2-core machine
 def test_kill_9_of_a_command_takes_its_children_along(tiny_model_dir, engine):
     """`tirl chat` starts a sandbox service (an exec'd tirl process) and, on vLLM, an engine core (a
     forked process); SIGKILL of chat alone leaves neither behind."""
