@@ -7,6 +7,7 @@ import os
 import typer
 
 from tirl.data.decontaminate import IGNORE_COMMON, NGRAM
+
 # transformers draws a progress bar for every model load and save (every checkpoint); tirl prints its own.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
