@@ -219,6 +219,8 @@ def eval_command(
             engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len,
             cluster=cluster_cfg, tokenizer=tokenizer,
         )  # fmt: skip
+    except ConfigError as e:  # a prompt longer than --max-model-len (checked before any rollout)
+        _fail(e)
     except KeyboardInterrupt:  # run_eval said what was kept
         raise typer.Exit(130) from None
 

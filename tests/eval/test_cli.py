@@ -115,3 +115,12 @@ def test_eval_input_errors_are_one_line_before_any_work(tiny_model_dir, tmp_path
         result = CliRunner().invoke(app, ["eval", *args])
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_eval_prompt_longer_than_the_context_fails_before_any_rollout(tiny_model_dir, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps(PROBLEMS[0]) + "\n")
+    args = ["eval", "--model", str(tiny_model_dir), "--data", str(data), "--max-model-len", "64"]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    assert "does not fit engine.max_model_len=64" in result.output and "Traceback" not in result.output

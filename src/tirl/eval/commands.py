@@ -116,9 +116,11 @@ def run_eval(
     console = console or Console()
     tokenizer = tokenizer or load_tokenizer(engine_cfg.model)
     agent = cfg.agent_config()
+    problems = [p for ps in benchmarks.values() for p in ps]
     if max_model_len is None:  # the context must hold the longest prompt and the whole response budget
-        prompt = longest_prompt(tokenizer, [p for ps in benchmarks.values() for p in ps], agent)
-        max_model_len = prompt + agent.max_response_tokens + CONTEXT_SLACK
+        max_model_len = longest_prompt(tokenizer, problems, agent) + agent.max_response_tokens + CONTEXT_SLACK
+    else:
+        check_context(tokenizer, problems, agent, max_model_len, "--max-model-len")
     engine_cfg = engine_cfg.model_copy(update={"max_model_len": max_model_len})
 
     finished: list = []
