@@ -199,7 +199,9 @@ def run(argv: list[str], cwd: Path, env: dict, stdin: str | None = None) -> str:
     done = subprocess.run(argv, cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"`{shlex.join(argv)}` exited {done.returncode}:\n{output[-4000:]}"
-    assert "Traceback" not in output, f"`{shlex.join(argv)}` printed a traceback:\n{output[-4000:]}"
+    assert "Traceback (most recent call last)" not in output, (
+        f"`{shlex.join(argv)}` printed a traceback:\n{output[-4000:]}"
+    )
     return output
 
 
@@ -246,7 +248,9 @@ def test_every_quickstart_command_runs_as_written(rundir):
                     )
                     wait_healthy(port, server)
                 else:
+                    started = time.monotonic()
                     run(command, cwd, env, rule.stdin)
+                    print(f"   {time.monotonic() - started:.0f} s", flush=True)
                 ran.append(key)
     finally:
         if server is not None:
