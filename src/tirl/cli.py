@@ -491,6 +491,31 @@ def data_filter_hard(
     typer.echo(f"wrote {result.kept} problems to {out}")
 
 
+# ---- view (tirl.view) ----
+
+
+@app.command("view")
+def view_command(
+    path: str = typer.Argument(..., help="An eval output dir, a training run dir, or a trajectories.jsonl."),
+    out: str | None = typer.Option(None, "--out", help="HTML file (default: PATH/view.html)."),
+    serve: bool = typer.Option(False, "--serve", help="Also serve it on localhost until Ctrl-C."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8765, "--port", help="0 picks a free port."),
+) -> None:
+    """Write a self-contained HTML trajectory viewer (works offline from disk); --serve serves it."""
+    from tirl.view import ViewError, write_view
+
+    try:
+        page, n = write_view(path, out)
+    except (ViewError, OSError) as e:
+        _fail(e)
+    typer.echo(f"wrote {page} ({n} trajectories): open it in a browser")
+    if serve:
+        from tirl.view.serve import serve as serve_page
+
+        serve_page(page, host, port, lambda url: typer.echo(f"serving {url} (Ctrl-C stops)"))
+
+
 def main() -> None:
     """The `tirl` console script: the children it starts die with it, and Ctrl-C reaches it alone."""
     from tirl.lifetime import children_die_with_me

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 ToolCallStatus = Literal["ok", "runtime_error", "timeout", "malformed", "sandbox_error", "other_error"]
@@ -59,3 +60,24 @@ class Trajectory:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        """The inverse of to_dict; keys that are not fields (a JSONL record's extras) are ignored, and
+        a compact record without token ids (training's trajectory samples) gets empty ones."""
+        known = {f.name for f in fields(cls)} - {"tool_calls"}
+        calls = [ToolCallRecord(**c) for c in d.get("tool_calls", [])]
+        return cls(**{"prompt_ids": [], **{k: v for k, v in d.items() if k in known}}, tool_calls=calls)
+
+
+def turn_token_counts(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """(generated, tool-response) token counts of each turn, read from the loss mask's runs."""
+    counts: list[list[int]] = []
+    previous = 0
+    for m in loss_mask:
+        if m and not previous:
+            counts.append([0, 0])
+        if counts:
+            counts[-1][0 if m else 1] += 1
+        previous = m
+    return [(g, t) for g, t in counts]

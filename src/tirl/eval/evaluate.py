@@ -91,6 +91,7 @@ async def _problem_result(problem: Problem, group: list[Trajectory], reward_pool
         rewards=[t.reward for t in group],
         answers=answers,
         majority=majority_vote(labels),
+        problem=problem.problem,
     )
 
 

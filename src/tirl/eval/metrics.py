@@ -71,6 +71,7 @@ class ProblemResult:
     rewards: list[float]
     answers: list[str | None]
     majority: int | None = None  # index of the majority-vote sample
+    problem: str = ""  # the problem's text (written with each trajectory, for `tirl view`)
 
     @property
     def correct(self) -> int:

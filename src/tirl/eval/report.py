@@ -77,6 +77,7 @@ class EvalReport:
                     for j, traj in enumerate(group):
                         record = {
                             "benchmark": name,
+                            "problem": result.problem,
                             "reference": result.reference,
                             "answer": result.answers[j],
                             "majority": j == result.majority,

@@ -80,6 +80,9 @@ class LoggingConfig(_Strict):
     alert_spike_factor: float = 2.0  # ... or jumps this many times above its running mean
     alert_sandbox_failure_rate: float = 0.05  # infra failures (sandbox_error) per tool call
     alert_min_calls: int = 20  # no alert on a step with fewer tool calls (ratios of a few calls are noise)
+    # Trajectories per RL step written to RUN/trajectories.jsonl for `tirl view` (kept and dropped, with
+    # RoC's penalties and advantages; no token ids). 0 writes none.
+    trajectories_per_step: int = Field(8, ge=0)
 
 
 class TrainConfig(_Strict):

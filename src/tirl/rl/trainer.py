@@ -21,7 +21,7 @@ import torch
 
 from tirl.config import ConfigError
 from tirl.eval.commands import check_context
-from tirl.rl import grpo
+from tirl.rl import grpo, trajectory_sample
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
 from tirl.rl.config import AlgorithmConfig, StageConfig, TrainConfig
 from tirl.rl.distributed import (
@@ -257,6 +257,11 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
         # 5. group-relative advantages on the kept members
         samples = build_samples(groups, kept, alg.normalize_std)
         metrics |= rollout_metrics(groups, kept, alg.no_tool_p_err)
+        if cfg.logging.trajectories_per_step:  # a bounded sample, with RoC's view of it, for `tirl view`
+            trajectory_sample.append(cfg.run_dir, trajectory_sample.step_sample(
+                step + 1, run.state.stage, batch, groups, kept, cfg.logging.trajectories_per_step,
+                cfg.seed, alg.normalize_std, alg.no_tool_p_err,
+            ))  # fmt: skip
         generated = sum(sum(t.loss_mask) for g in groups for t in g)
         metrics["perf/rollout_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
     # 6. update: every rank trains on its share of the kept samples
@@ -315,6 +320,7 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.model_dump(mode="json")) if info.is_main else None
     if logger and saved:
         logger.truncate_after(state.step)
+        trajectory_sample.truncate_after(cfg.run_dir, state.step)
     try:
         async with (
             open_learner(cfg, model_path, info, cfg.stages[state.stage].steps) as learner,

@@ -1,0 +1,40 @@
+"""`tirl view --serve`: the written HTML file on localhost, for a browser on the same machine
+(or through an SSH tunnel). It serves that one file and nothing else of the file system."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+def make_server(page: Path, host: str = "127.0.0.1", port: int = 8765) -> ThreadingHTTPServer:
+    body = Path(page).read_bytes()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/", "/index.html", f"/{Path(page).name}"):
+                self.send_error(404, "only the viewer page is served here: open /")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # quiet: the terminal shows the URL, not every request
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def serve(page: Path, host: str, port: int, announce: Callable[[str], None]) -> None:
+    """Serve until Ctrl-C; `announce` gets the URL once the socket is bound (port 0 picks a free one)."""
+    server = make_server(page, host, port)
+    announce(f"http://{host}:{server.server_address[1]}/")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
