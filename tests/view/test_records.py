@@ -52,9 +52,9 @@ def test_eval_records_split_into_turns_with_their_calls(eval_dir):
     # the taught model made a clean call, a malformed one and one that raised
     assert {"ok", "malformed", "runtime_error"} <= set(seen_statuses)
     fix = next(v for v in views if v["pid"] == "fix")
-    first = [p for kind, p in fix["turns"][0]["parts"] if kind == "call"][0]
+    first = next(p for kind, p in fix["turns"][0]["parts"] if kind == "call")
     assert first["status"] == "malformed" and "must be a JSON string" in first["parse_error"]
-    raised = [p for kind, p in fix["turns"][1]["parts"] if kind == "call"][0]
+    raised = next(p for kind, p in fix["turns"][1]["parts"] if kind == "call")
     assert raised["code"] == "x = 1/0\nprint(x)" and "ZeroDivisionError" in raised["response"]
 
 
@@ -71,7 +71,7 @@ def test_training_run_writes_a_bounded_sample_with_roc(train_dir):
         assert roc["kept"] == (roc["advantage"] is not None)
         assert sum(g + t for g, t in r["turn_tokens"]) <= 300
     # a group's kept members have the GRPO advantages of their rewards
-    for (step, group), members in _by_group(rows).items():
+    for members in _by_group(rows).values():
         kept = [m for m in members if m["roc"]["kept"]]
         if len(kept) == 2:
             assert [m["roc"]["advantage"] for m in kept] == pytest.approx(
@@ -100,7 +100,7 @@ def test_page_escapes_text_that_would_close_its_script(tmp_path):
 def test_bad_paths_are_one_clear_error(tmp_path):
     with pytest.raises(ViewError, match="no such file or directory"):
         load_source(tmp_path / "missing")
-    with pytest.raises(ViewError, match="neither trajectories.jsonl nor metrics.jsonl"):
+    with pytest.raises(ViewError, match=r"neither trajectories\.jsonl nor metrics\.jsonl"):
         load_source(tmp_path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem_id": "a", "prompt_ids": []}\nnot json\n')
