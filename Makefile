@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml Makefile
 	@# unprivileged uids by itself, inside its mount namespace, without touching host permissions).
 	@ldconfig -p | grep -q libseccomp.so.2 || apt-get install -y -q libseccomp2 \
 		|| echo "warning: libseccomp2 is missing: the sandbox will run without its seccomp filter"
+	@# The viewer's tests drive a real headless Chromium (Debian's package) through playwright (in dev).
+	@command -v chromium >/dev/null || apt-get install -y -q chromium \
+		|| (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "warning: chromium is missing: the viewer's browser tests will be skipped"
 	touch $(STAMP)
 
 test: install

@@ -56,8 +56,16 @@ SCRIPTS = [
 PROBLEMS = [s.problem for s in SCRIPTS] + [Problem("add", "What is 2+3?", "5")]
 
 
-@pytest.fixture(scope="session")
+def _cli(args: list[str]):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture
 def browser():
+    """One Chromium per test: Playwright's sync API runs an event loop in this thread while it is open,
+    and the session fixtures above call asyncio.run (pytest sets them up before this one)."""
     reason = unavailable()
     if reason:
         pytest.skip(f"viewer browser tests need a real browser: {reason}")
@@ -107,8 +115,7 @@ def eval_dir(taught_model_dir, tmp_path_factory) -> Path:
     args = ["eval", "--model", str(taught_model_dir), "--data", str(_problems_file(work)), "--config", str(config),
             "--samples", "2", "--temperature", "0", "--max-tokens", "300", "--max-turns", "4",
             "--out", str(out), "--reward-workers", "1"]  # fmt: skip
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
+    _cli(args)
     return out
 
 
@@ -134,6 +141,5 @@ def train_dir(taught_model_dir, tmp_path_factory) -> Path:
     }
     config = work / "train.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))  # key order is prompt text
-    result = CliRunner().invoke(app, ["train", "--config", str(config), "--quiet"])
-    assert result.exit_code == 0, result.output
+    _cli(["train", "--config", str(config), "--quiet"])
     return work / "run"

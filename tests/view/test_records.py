@@ -15,6 +15,10 @@ from tirl.rl.roc import penalties
 from tirl.view import ViewError, load_source, view_record
 from tirl.view.report import build_html
 
+# The session fixtures (teach the tiny model, a real eval, a real training run) set up inside the first
+# test that needs them; on a busy shared machine that alone can take minutes.
+pytestmark = pytest.mark.timeout(900)
+
 
 def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]

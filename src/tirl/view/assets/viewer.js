@@ -12,6 +12,7 @@ const ROW_H = 26;
 const ESC = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ESC[c]);
 const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number.isInteger(x) ? String(x) : Number(x).toFixed(d));
+const fixed = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
 const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + "%");
 const correct = (t) => t.reward > 0.5;
 const isTrain = DATA.kind === "train" || TRAJ.some((t) => t.step !== null && t.step !== undefined);
@@ -89,7 +90,7 @@ const COLUMNS = [
   { key: "len", label: "tokens", width: "56px", num: true, cell: (t) => t.len },
   { key: "kept", label: "RoC", width: "62px", train: true,
     cell: (t) => (t.roc ? (t.roc.kept ? '<span class="good">kept</span>' : '<span class="muted">dropped</span>') : "") },
-  { key: "adv", label: "adv", width: "52px", num: true, train: true, cell: (t) => (t.roc && t.roc.kept ? fmt(t.roc.advantage, 2) : "") },
+  { key: "adv", label: "adv", width: "52px", num: true, train: true, cell: (t) => (t.roc && t.roc.kept ? fixed(t.roc.advantage, 2) : "") },
 ];
 const SORT_VALUE = {
   nturns: (t) => t.turns.length,
@@ -240,7 +241,7 @@ function renderTrajectory(t) {
   const ok = correct(t);
   let html = `<h2>${esc(t.pid)} <span class="muted">sample ${t.sample}${where ? " · " + esc(where) : ""}</span></h2>`;
   html += `<div class="badges">
-    <span class="badge ${ok ? "correct" : "wrong"}" id="reward">reward ${fmt(t.reward, 1)} · ${ok ? "correct" : "wrong"}</span>
+    <span class="badge ${ok ? "correct" : "wrong"}" id="reward">reward ${Number(t.reward).toFixed(1)} · ${ok ? "correct" : "wrong"}</span>
     <span class="badge">answer <b class="mono">${esc(t.answer ?? "none")}</b></span>
     <span class="badge">reference <b class="mono">${esc(t.reference ?? "–")}</b></span>
     <span class="badge ${t.finish === "error" ? "error" : ""}">finish: ${esc(t.finish)}</span>
@@ -250,11 +251,11 @@ function renderTrajectory(t) {
   </div>`;
   if (t.error) html += `<div class="box"><h4>error</h4><pre class="response st-runtime_error">${esc(t.error)}</pre></div>`;
   html += `<div class="box" id="roc"><h4>Resample-on-Correct</h4><div class="kv">
-    <div><span>p_err</span>${fmt(t.p_err)}</div><div><span>p_format</span>${fmt(t.p_format)}</div>
-    <div><span>p_total</span>${fmt(t.p_total)}</div>`;
+    <div><span>p_err</span>${fixed(t.p_err)}</div><div><span>p_format</span>${fixed(t.p_format)}</div>
+    <div><span>p_total</span>${fixed(t.p_total)}</div>`;
   if (t.roc) {
     html += `<div><span>RoC</span><b class="${t.roc.kept ? "good" : "bad"}">${t.roc.kept ? "kept" : "dropped"}</b></div>
-      <div><span>advantage</span>${t.roc.kept ? fmt(t.roc.advantage) : "– (not trained)"}</div>
+      <div><span>advantage</span>${t.roc.kept ? fixed(t.roc.advantage) : "– (not trained)"}</div>
       <div><span>group</span>${t.roc.group_correct}/${t.roc.group_size} correct, ${t.roc.group_kept} kept</div>`;
   }
   html += `</div></div>`;
