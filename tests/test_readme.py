@@ -91,6 +91,7 @@ SMALL: dict[str, Rule] = {
     "torchrun": Rule(
         replace={"--nproc_per_node=8": "--nproc_per_node=2"}, extra=[*SMALL_RL, "run_name=fsdp"]
     ),
+    "tirl view": Rule(),
     "tirl data prepare": Rule(),
     "tirl data filter-hard": Rule(
         replace={

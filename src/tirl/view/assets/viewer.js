@@ -208,6 +208,7 @@ function applyFilters() {
 function resetFilters() {
   for (const id of ["#q", "#f-bench", "#f-correct", "#f-finish", "#f-tools", "#f-minlen", "#f-maxlen", "#f-kept"]) $(id).value = "";
   $("#scope").value = "all";
+  $("#f-step").value = "0";
   $("#f-allsteps").checked = true;
   applyFilters();
 }
