@@ -62,6 +62,13 @@ def _comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
 
+def _sampled(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    return [
+        (r["step"], r["problem_id"], r["sample_index"], r["response_text"], r["roc"]["kept"]) for r in rows
+    ]
+
+
 def test_kill_mid_step_then_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path):
     config = _write_config(tmp_path, tiny_model_dir)
     ref_dir = run_training(load_config(TrainConfig, config, ["run_name=ref"]), progress=False)
@@ -106,6 +113,8 @@ def test_kill_mid_step_then_resume_matches_uninterrupted_run(tiny_model_dir, tmp
                 assert got[k] == v, (got["step"], k)
     ckpts = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     assert ckpts == ["step_000003", "step_000004"]  # keep_last=2, no temp dirs left behind
+    # the trajectories sampled for `tirl view`: each step's once, the same ones as without the kill
+    assert _sampled(resumed) == _sampled(ref_dir) and len(_sampled(ref_dir)) == 4 * 8
 
     with pytest.raises(ConfigError, match="already holds a run"):
         run_training(load_config(TrainConfig, config, ["run_name=killed"]), progress=False)
