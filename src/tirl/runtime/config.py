@@ -44,7 +44,7 @@ class TrainerPlacement(Resources):
 class SandboxPlacement(_Strict):
     """One `tirl sandbox serve` per node that has `resource` (every alive node when it is null)."""
 
-    per_node: bool = True  # false: keep the `sandbox` section's own mode (local / remote / inprocess)
+    per_node: bool = True  # false: keep the `sandbox` section's mode; sandbox.mode=remote is always kept
     resource: str | None = (
         None  # e.g. "sandbox_node": only nodes started with --resources '{"sandbox_node": 1}'
     )

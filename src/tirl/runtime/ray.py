@@ -180,10 +180,6 @@ class EngineWorker:
         if hasattr(self.engine, "wake_up"):
             await asyncio.to_thread(self.engine.wake_up)
 
-    async def state(self) -> dict[str, torch.Tensor]:
-        """The served weights (HF engines; tests compare them with the trainer's)."""
-        return {k: v.detach().cpu() for k, v in self.engine.model.state_dict().items()}
-
     async def close(self) -> None:
         await self.engine.close()
 
@@ -290,9 +286,8 @@ async def _start_engines(ray, cluster: ClusterConfig, cfg: EngineConfig, fleet: 
     actor_cls = ray.remote(EngineWorker)
     actors = [
         actor_cls.options(
-            name=None,
-            max_restarts=2,
-            max_concurrency=10_000,
+            max_restarts=2,  # Ray brings a dead engine back; it rejoins at the next weight sync
+            max_concurrency=10_000,  # every in-flight trajectory's generate() is one concurrent call
             **_actor_options(cluster.engines),
             **_in_bundle(pg, i),
         ).remote(cfg)
@@ -507,7 +502,9 @@ async def open_ray_runtime(
     counters: dict[str, int] = {}
     fleet = EngineFleet(counters)
     pg = None
-    sandbox_nodes = _sandbox_nodes(ray, cluster) if cluster.sandbox.per_node else []
+    # A fleet the user runs (sandbox.mode=remote) is used as given; otherwise one service per node.
+    per_node = cluster.sandbox.per_node and sandbox.mode != "remote"
+    sandbox_nodes = _sandbox_nodes(ray, cluster) if per_node else []
     async with AsyncExitStack() as stack:
         try:
             pg = await _start_engines(ray, cluster, engine, fleet)
@@ -568,12 +565,6 @@ class TrainerWorker:
         pg = group.join(0) if group is not None else None
         return send_weights(self.learner.policy.model, pg, bucket_bytes, device)
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """The full weights (rank 0; a collective: every worker calls it)."""
-        from tirl.rl.distributed import full_model_state
-
-        return full_model_state(self.learner.policy.model, self.learner.info)
-
 
 class RayLearner:
     """The Learner interface on one TrainerWorker per rank; every call goes to all ranks at once."""
@@ -622,11 +613,6 @@ class RayLearner:
 
     def save(self, run_dir: Path, step: int, tokenizer, state: dict, keep_last: int) -> None:
         self._all("save", run_dir, step, tokenizer, state, keep_last)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        import ray
-
-        return ray.get([w.state.remote() for w in self.workers])[0]
 
 
 @asynccontextmanager
