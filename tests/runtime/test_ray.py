@@ -4,6 +4,7 @@ engine actors on both nodes, two trainer workers in one gloo group, a sandbox se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -259,3 +260,57 @@ def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_d
     assert runtime["backend"] == "ray"
     leases = [runtime["rollout/leases/hf0"], runtime["rollout/leases/hf1"]]
     assert sum(leases) == len(PROBLEMS) * 4 and min(leases) > 0
+
+
+def _kill_engine0_and_a_sandbox_when_busy(done: list) -> None:
+    """From another thread: once engine actor 0 has requests in flight (its free KV is below its
+    total), kill it and one of the sandbox services this cluster started."""
+    import time
+
+    import psutil
+
+    while True:
+        names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)]
+        engine = next((n for n in names if n.startswith("tirl-engine0-")), None)
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                actor = ray.get_actor(engine, namespace="tirl-test")
+                cap = ray.get(actor.describe.remote(), timeout=30)["capacity"]
+                services = [  # started by this cluster's SandboxNode actors, nobody else's
+                    child for p in psutil.process_iter(["cmdline"])
+                    if " ".join(p.info["cmdline"] or []).startswith("ray::SandboxNode")
+                    for child in p.children() if "serve" in child.cmdline()
+                ]  # fmt: skip
+                if services and cap.free_tokens < cap.total_tokens:
+                    ray.kill(actor, no_restart=False)
+                    services[-1].kill()
+                    done.append(True)
+                    return
+        time.sleep(0.05)  # polling another process's state: there is no event to wait on
+
+
+def test_a_train_step_survives_an_engine_and_a_sandbox_killed_mid_rollout(cluster, tiny_model_dir, tmp_path):
+    import threading
+
+    config = _write_config(tmp_path, tiny_model_dir)
+    overrides = [
+        "cluster.backend=ray",
+        f"cluster.address={cluster.address}",
+        "cluster.sandbox.health_interval_s=0.5",
+    ]
+    clean = run_training(load_config(TrainConfig, config, ["run_name=clean", *overrides]), progress=False)
+    done: list = []
+    killer = threading.Thread(target=_kill_engine0_and_a_sandbox_when_busy, args=(done,), daemon=True)
+    killer.start()
+    faulty = run_training(load_config(TrainConfig, config, ["run_name=faulty", *overrides]), progress=False)
+    assert done == [True]
+    want, got = read_metrics(clean), read_metrics(faulty)
+    assert got[-1]["infra/engine_failures"] == 1 and got[-1]["infra/rerouted_turns"] >= 1
+    assert got[-1]["infra/engine_restarts"] == 1  # restarted by Ray, back after the next weight sync
+    for w, g in zip(want, got, strict=True):
+        assert g["rollout/errors"] == 0  # nothing lost, nothing scored on a broken turn
+        assert g["batch"] == w["batch"]
+        for key in ("reward/mean", "response/length_mean", "train/trained_tokens"):
+            assert g[key] == pytest.approx(w[key], rel=1e-6), key
+        assert g["train/loss"] == pytest.approx(w["train/loss"], rel=1e-4, abs=1e-6)
+        assert g["train/engine_logprob_gap"] < 1e-4

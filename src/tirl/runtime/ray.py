@@ -284,8 +284,10 @@ class EngineFleet:
 async def _start_engines(ray, cluster: ClusterConfig, cfg: EngineConfig, fleet: EngineFleet):
     pg = _placement_group(ray, "engines", cluster.engines.as_bundle(), cfg.num_engines, "SPREAD")
     actor_cls = ray.remote(EngineWorker)
+    run = secrets.token_hex(4)  # names (`ray list actors`, operators) unique per runtime
     actors = [
         actor_cls.options(
+            name=f"tirl-engine{i}-{run}",
             max_restarts=2,  # Ray brings a dead engine back; it rejoins at the next weight sync
             max_concurrency=10_000,  # every in-flight trajectory's generate() is one concurrent call
             **_actor_options(cluster.engines),
