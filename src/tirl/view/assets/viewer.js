@@ -3,6 +3,7 @@
 // tens of thousands of trajectories open and filter at once. No library, no network.
 "use strict";
 
+const STARTED = performance.now();
 const DATA = JSON.parse(document.getElementById("tirl-data").textContent);
 const TRAJ = DATA.trajectories;
 const $ = (sel) => document.querySelector(sel);
@@ -400,6 +401,7 @@ function init() {
   applyFilters();
   const m = /^#t=(\d+)$/.exec(location.hash);
   if (m && TRAJ[Number(m[1])]) select(Number(m[1]), true);
+  document.body.dataset.initMs = (performance.now() - STARTED).toFixed(1);  // parse + first render
   document.body.dataset.ready = "1";
 }
 
