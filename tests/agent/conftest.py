@@ -52,6 +52,8 @@ SCRIPTS = {
             ANSWER,
         ],
     ),
+    # the turn closes itself after the call (played with stop_at_tool_call=False)
+    "closed": Script(Problem("closed", "5*8+2?", "42"), [" " + call("print(5*8+2)") + "<|im_end|>", ANSWER]),
     # calls the tool on every turn: ends by max_turns or by the budget
     "loop": Script(Problem("loop", "loop?", "0"), [" " + call("print(1)")] * 2),
 }

@@ -59,7 +59,8 @@ async def record(tokenizer, executor, script: Script, cfg: AgentConfig) -> Recor
                 )
             else:
                 responses.append(c.render())
-        seg = render_tool_response(tokenizer, responses, cfg)
+        # A turn that ends with <|im_end|> itself (no stop at </tool_call>) is closed already.
+        seg = render_tool_response(tokenizer, responses, cfg, turn_closed=turn.endswith("<|im_end|>"))
         ids += seg
         mask += [0] * len(seg)
     return Recording(prompt, ids, mask)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 
 import pytest
+import torch
 from tests.agent.conftest import CFG, SCRIPTS, SLOW_S
 
 from tirl.agent import derive_seed, render_tool_response, rollout, run_trajectory
 from tirl.data.problem import Problem
 from tirl.engines import EngineConfig, SingleEnginePool
+from tirl.engines.base import Generation
 from tirl.engines.hf import HFEngine
 from tirl.sandbox import Sandbox
 
@@ -92,28 +94,31 @@ async def test_response_budget_counts_generated_and_tool_tokens(pool, tokenizer,
 
 
 async def test_a_slow_tool_call_does_not_block_other_trajectories(pool, tokenizer, sandbox, taught):
-    log: list[tuple[float, str, str]] = []
+    """ "mul"'s tool result is held back until "fix" has finished: "fix" can only finish if the loop
+    keeps generating and running its calls while "mul" waits (a blocking loop would deadlock)."""
+    fix_done = asyncio.Event()
+    log: list[tuple[str, str]] = []
+
+    class HeldUntilFixIsDone:
+        async def run(self, code, stdin="", timeout=None):
+            result = await sandbox.run(code, stdin, timeout)
+            if "sleep" in code:
+                await fix_done.wait()
+            return result
 
     async def logged(name):
-        traj = await run_trajectory(
-            pool,
-            tokenizer,
-            sandbox,
-            SCRIPTS[name].problem,
-            CFG,
-            group=name,
-            on_event=lambda k, p: log.append((time.perf_counter(), name, k)),
-        )
-        return traj
+        def on_event(kind, payload):
+            log.append((name, kind))
+            if (name, kind) == ("fix", "finish"):
+                fix_done.set()
 
-    slow, fast = await asyncio.gather(logged("mul"), logged("fix"))
+        return await run_trajectory(
+            pool, tokenizer, HeldUntilFixIsDone(), SCRIPTS[name].problem, CFG, group=name, on_event=on_event
+        )
+
+    slow, fast = await asyncio.wait_for(asyncio.gather(logged("mul"), logged("fix")), 300)
     assert slow.finish_reason == fast.finish_reason == "answered"
-    [call_at] = [t for t, name, k in log if name == "mul" and k == "tool_call"]
-    [result_at] = [t for t, name, k in log if name == "mul" and k == "tool_result"]
-    assert result_at - call_at >= SLOW_S
-    # while "mul" waited on its sleeping call, "fix" kept generating turns and running its own calls
-    progress = [k for t, name, k in log if name == "fix" and call_at < t < result_at]
-    assert progress, log
+    assert log.index(("mul", "tool_call")) < log.index(("fix", "finish")) < log.index(("mul", "tool_result"))
 
 
 async def test_engine_failure_ends_with_error_not_a_wrong_answer(taught, tiny_model_dir, tokenizer, sandbox):
@@ -166,3 +171,162 @@ async def test_rollout_groups_seeds_and_reproducibility(random_engine, tokenizer
     assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(0, 2, 1)
     with pytest.raises(ValueError, match="n >= 1"):
         await rollout(pool, tokenizer, sandbox, problems, 0, cfg)
+
+
+def _forward_logprobs(model, ids: list[int]) -> list[float]:
+    """log p(ids[k + 1] | ids[: k + 1]) for every k, from one direct forward pass."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return [logp[k, ids[k + 1]].item() for k in range(len(ids) - 1)]
+
+
+TURN_END = "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>"
+
+
+@pytest.mark.parametrize(
+    ("name", "stop_at_tool_call", "closed"), [("mul", True, False), ("closed", False, True)]
+)
+async def test_turn_endings_with_and_without_the_end_of_turn_token(
+    pool, tokenizer, sandbox, taught, name, stop_at_tool_call, closed
+):
+    """A turn stopped at </tool_call> gets its <|im_end|> from the tool-response segment (mask 0); a turn
+    that wrote <|im_end|> itself (mask 1) gets none added: either way exactly one closes the turn."""
+    _, recordings = taught
+    cfg = CFG.model_copy(update={"stop_at_tool_call": stop_at_tool_call})
+    traj, _ = await play(pool, tokenizer, sandbox, name, cfg)
+    assert (traj.finish_reason, traj.turns, traj.num_tool_calls) == ("answered", 2, 1)
+    assert traj.response_ids == recordings[name].response_ids
+    assert traj.loss_mask == recordings[name].loss_mask
+    text = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
+    assert text.count(TURN_END) == 1 and "<|im_end|><|im_end|>" not in text
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    first_turn = runs(traj.response_ids, traj.loss_mask, 1)[0]
+    end = len(first_turn) - 1 if closed else len(first_turn)  # where the turn's <|im_end|> sits
+    assert traj.response_ids[end] == im_end and traj.loss_mask[end] == int(closed)
+
+
+async def test_recorded_logprobs_are_the_generated_tokens_own(pool, tokenizer, sandbox, taught):
+    """Each generated token's recorded log-prob is log p(token | everything before it), from a direct
+    forward pass over the whole trajectory; tool-response tokens record 0."""
+    model, _ = taught
+    traj, _ = await play(pool, tokenizer, sandbox, "fix")
+    assert traj.turns == 3 and 0 in traj.loss_mask
+    forward = _forward_logprobs(model, traj.prompt_ids + traj.response_ids)[len(traj.prompt_ids) - 1 :]
+    for j, (lp, m) in enumerate(zip(traj.logprobs, traj.loss_mask, strict=True)):
+        assert lp == (pytest.approx(forward[j], abs=1e-4) if m else 0.0), j
+    # a shift by one token would pair each log-prob with its neighbour's: those differ
+    assert sum(abs(a - b) for a, b in zip(traj.logprobs[1:], forward, strict=False)) > 1.0
+
+
+async def test_training_samples_align_ids_mask_logprobs_and_advantages(pool, tokenizer, sandbox, taught):
+    """build_samples on real multi-turn trajectories (prompt, turn, tool response, turn, tool response,
+    final turn): mask entry k trains exactly the generated token k + 1, its engine log-prob is that
+    token's, and every sample carries its group-relative advantage."""
+    from tirl.rl.trainer import build_samples
+
+    model, _ = taught
+    fix, _ = await play(pool, tokenizer, sandbox, "fix")
+    loop, _ = await play(pool, tokenizer, sandbox, "loop", CFG.model_copy(update={"max_turns": 2}))
+    fix.reward, loop.reward = 1.0, 0.0
+    samples = build_samples([[fix, loop]], [[0, 1]], normalize_std=True)
+    assert [s.advantage for s in samples] == pytest.approx(
+        [2**-0.5, -(2**-0.5)], abs=1e-5
+    )  # (r - mean) / std
+    for s, t in zip(samples, (fix, loop), strict=True):
+        assert s.input_ids == t.prompt_ids + t.response_ids
+        p = len(t.prompt_ids)
+        generated = {p + j for j, m in enumerate(t.loss_mask) if m}
+        assert [k + 1 for k, m in enumerate(s.loss_mask) if m] == sorted(generated)
+        forward = _forward_logprobs(model, s.input_ids)
+        for k, m in enumerate(s.loss_mask):
+            if m:
+                assert s.engine_logprobs[k] == pytest.approx(forward[k], abs=1e-4), k
+
+
+async def test_max_turn_tokens_caps_one_turn(pool, tokenizer, sandbox, taught):
+    _, recordings = taught
+    traj, events = await play(pool, tokenizer, sandbox, "mul", CFG.model_copy(update={"max_turn_tokens": 5}))
+    turns = runs(traj.response_ids, traj.loss_mask, 1)
+    assert turns[0] == recordings["mul"].response_ids[:5] and max(map(len, turns)) == 5
+    # the cut-off call is fed back as malformed, like any other, and the model goes on
+    first = next(p["text"] for k, p in events if k == "tool_result")
+    assert first.startswith("Error: unclosed <tool_call>") and traj.tool_calls[0].status == "malformed"
+    longest = max(len(t) for t in runs(recordings["fix"].response_ids, recordings["fix"].loss_mask, 1))
+    traj, _ = await play(pool, tokenizer, sandbox, "fix", CFG.model_copy(update={"max_turn_tokens": longest}))
+    assert traj.finish_reason == "answered" and traj.response_ids == recordings["fix"].response_ids
+
+
+class _HungEngine:
+    """An engine that accepts a request and never answers (a stuck server)."""
+
+    name = "hung"
+
+    async def generate(self, prompt_ids, params):
+        await asyncio.Event().wait()
+
+
+class _AbortingEngine:
+    """The taught engine, but every request comes back aborted (e.g. preempted and dropped)."""
+
+    name = "aborting"
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def generate(self, prompt_ids, params):
+        gen = await self.engine.generate(prompt_ids, params)
+        return Generation(gen.token_ids, gen.logprobs, "abort")
+
+
+class _HungExecutor:
+    async def run(self, code, stdin="", timeout=None):
+        await asyncio.Event().wait()
+
+
+async def test_stuck_engine_stuck_executor_and_aborts_end_with_error(engine, tokenizer, sandbox, taught):
+    """Every wait has its limit: each failure ends the trajectory with finish reason "error" (not
+    scored, never a wrong answer), keeping the tokens generated before it."""
+    cfg = CFG.model_copy(update={"generation_timeout": 0.05})
+    traj = await run_trajectory(
+        SingleEnginePool(_HungEngine()), tokenizer, sandbox, SCRIPTS["mul"].problem, cfg, group="g"
+    )
+    assert traj.finish_reason == "error" and "produced no turn within 0.05 s" in traj.error
+    assert traj.turns == 0 and traj.response_ids == []
+
+    cfg = CFG.model_copy(update={"tool_wait_timeout": 0.05})
+    traj = await run_trajectory(
+        SingleEnginePool(engine), tokenizer, _HungExecutor(), SCRIPTS["mul"].problem, cfg, group="g"
+    )
+    assert traj.finish_reason == "error" and "no result within 0.05 s" in traj.error
+    assert traj.turns == 1 and set(traj.loss_mask) == {1} and traj.tool_wait_seconds >= 0.05
+
+    traj = await run_trajectory(
+        SingleEnginePool(_AbortingEngine(engine)), tokenizer, sandbox, SCRIPTS["fix"].problem, CFG, group="g"
+    )
+    assert traj.finish_reason == "error" and "aborted" in traj.error and traj.turns == 0
+
+
+class _CountingPool(SingleEnginePool):
+    """Counts the trajectories holding a lease at once (a trajectory holds one for its whole life)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.active = self.peak = 0
+
+    @contextlib.asynccontextmanager
+    async def lease(self, group, max_tokens):
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            yield self.engine
+        finally:
+            self.active -= 1
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_concurrency_gate_bounds_trajectories_in_flight(random_engine, tokenizer, sandbox, concurrency):
+    pool = _CountingPool(random_engine)
+    cfg = CFG.model_copy(update={"temperature": 1.0, "max_response_tokens": 8})
+    problems = [Problem("p0", "1+1?", "2"), Problem("p1", "2+2?", "4")]
+    groups = await rollout(pool, tokenizer, sandbox, problems, 3, cfg, concurrency=concurrency)
+    assert sum(len(g) for g in groups) == 6 and pool.peak == concurrency and pool.active == 0

@@ -8,6 +8,7 @@ import pytest
 
 from tirl.engines.base import EnginePool, SamplingParams
 from tirl.engines.config import EngineConfig
+from tirl.engines.factory import build_pool
 from tirl.engines.scheduler import Admission, RolloutScheduler
 
 # --- the placement policy (pure) --------------------------------------------------------------------
@@ -161,7 +162,8 @@ async def test_dynamic_scheduler_respects_kv_and_keeps_groups_together(hf_engine
     assert names[0] == names[1] != names[2] == names[3]
     m = pool.metrics()
     assert m["mode"] == "dynamic" and m["in_flight"] == 0 and m["waiting"] == 0
-    assert [e["leases"] for e in m["engines"]] == [4, 4]
+    # Which engine frees room first depends on timing; each got its first two and all 8 ran.
+    assert sum(e["leases"] for e in m["engines"]) == 8 and min(e["leases"] for e in m["engines"]) >= 2
     for e in m["engines"]:
         assert 0 < e["busy_s"] <= m["makespan_s"] + 1e-6 and e["kv_budget_tokens"] == 512
 
@@ -176,7 +178,7 @@ async def test_cancelled_waiter_leaves_no_reservation(hf_engines):
     pool = RolloutScheduler(hf_engines[:1], mode="dynamic")
     async with pool.lease("a", 400):
         waiter = asyncio.create_task(pool.lease("b", 400).__aenter__())
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # one loop turn: the waiter submits its ticket and queues
         assert pool.metrics()["waiting"] == 1
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -185,3 +187,42 @@ async def test_cancelled_waiter_leaves_no_reservation(hf_engines):
     with pytest.raises(ValueError, match="max_tokens"):
         async with pool.lease("c", 0):
             pass
+
+
+async def test_trajectory_cancelled_just_as_it_is_placed_releases_its_slot(hf_engines):
+    pool = RolloutScheduler(hf_engines[:1], mode="dynamic")
+    holder = pool.lease("a", 400)
+    await holder.__aenter__()
+    waiter = asyncio.create_task(pool.lease("b", 400).__aenter__())
+    await asyncio.sleep(0)
+    assert pool.metrics()["waiting"] == 1
+    await holder.__aexit__(None, None, None)  # "a" finishes: "b" is placed on the engine ...
+    assert (pool.metrics()["in_flight"], pool.metrics()["waiting"]) == (1, 0) and not waiter.done()
+    waiter.cancel()  # ... and cancelled before it could run
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    slot = pool.policy.slots[0]
+    assert (slot.active, slot.reserved, pool.metrics()["in_flight"]) == (0, 0, 0)
+    async with pool.lease("c", 400):  # the room is free again: placed at once, not queued
+        assert pool.metrics()["in_flight"] == 1 and pool.metrics()["waiting"] == 0
+
+
+async def test_growth_following_reserve_sees_the_context_the_engine_reports(hf_engines, tiny_model_dir):
+    cfg = EngineConfig(
+        backend="hf", model=str(tiny_model_dir), max_batch_size=2, max_model_len=256, scheduler_reserve=0.1
+    )
+    pool = build_pool(hf_engines, cfg)
+    assert isinstance(pool, RolloutScheduler) and pool.policy.reserve == 0.1
+    async with pool.lease("g", 200) as engine:  # reserves its floor, 0.1 x 200 tokens, until it grows
+        slot = pool.policy.slots[pool.policy.engine_of(next(iter(pool.policy._placed)))]
+        assert slot.reserved == 20
+        context = list(range(1, 31))
+        turn = asyncio.create_task(engine.generate(context, SamplingParams(max_tokens=8, seed=1)))
+        await asyncio.sleep(0)  # the request is in the engine: its prompt is in the KV cache
+        assert slot.reserved == 30
+        gen = await turn
+        assert gen.token_ids and slot.reserved == 30 + len(gen.token_ids)
+        context += gen.token_ids + [7] * 12  # a tool response joins the context
+        gen = await engine.generate(context, SamplingParams(max_tokens=8, seed=2))
+        assert slot.reserved == len(context) + len(gen.token_ids)
+    assert slot.reserved == 0 and slot.active == 0

@@ -10,6 +10,8 @@ run replays exactly the batches an uninterrupted run would have drawn.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -37,6 +39,17 @@ from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler, derive_seed
 from tirl.runtime import Runtime, generate, open_runtime, score
+
+FAULT_ENV = "TIRL_FAULT"
+
+
+def fault_point(phase: str, step: int) -> None:
+    """Fault injection for the resume tests: TIRL_FAULT="PHASE:STEP" SIGKILLs this process when
+    step STEP (1-based) reaches PHASE: "rollout" (its first trajectory is done, the rest in flight),
+    "update" (weights, optimizer and LR schedule updated; not yet synced, logged or checkpointed),
+    or "logged" (its metrics written, its checkpoint not)."""
+    if os.environ.get(FAULT_ENV) == f"{phase}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @asynccontextmanager
@@ -237,6 +250,7 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
             groups = await generate(
                 run.runtime, batch, alg.rollouts_per_prompt, stage_agent_config(cfg, stage),
                 seed=derive_seed(cfg.seed, step), concurrency=cfg.rollout_concurrency,
+                on_done=lambda _: fault_point("rollout", step + 1),
             )  # fmt: skip
         metrics |= run.runtime.engine_metrics()
         # 3. binary answer-only rewards (math-verify in worker processes)
@@ -270,6 +284,7 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
         run.runtime.sleep()
     with timer("train"):
         metrics |= run.learner.update(samples, alg)
+    fault_point("update", step + 1)
     if run.runtime is not None:
         run.runtime.wake_up()
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
@@ -365,6 +380,7 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
         metrics["time/step_s"] = time.perf_counter() - start
         if run.info.is_main:
             _report(run, stage, metrics, console)
+            fault_point("logged", st.step)
         # Metrics first, then the checkpoint: a kill in between only makes the resumed run redo
         # (and re-log) this step; the reverse order could lose its metrics line.
         if st.step % cfg.checkpoint.every == 0 or st.stage_step == stage.steps:
