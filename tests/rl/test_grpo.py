@@ -88,6 +88,7 @@ def test_empty_mask_gives_zero_loss():
 
 def test_kl_and_entropy():
     assert float(kl_k3(torch.tensor(0.3), torch.tensor(0.3))) == 0.0
-    assert float(kl_k3(torch.tensor(-1.0), torch.tensor(-2.0))) > 0.0
+    # log r = ref - logp = -1: k3 = r - log r - 1 = e^-1
+    assert float(kl_k3(torch.tensor(-1.0), torch.tensor(-2.0))) == pytest.approx(math.exp(-1.0))
     uniform = torch.zeros(1, 1, 8)
     assert float(entropy_from_logits(uniform)) == pytest.approx(math.log(8))

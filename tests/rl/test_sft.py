@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tirl.config import ConfigError
 from tirl.engines.factory import load_tokenizer
@@ -90,7 +91,8 @@ def test_sft_run_learns_and_writes_loadable_checkpoints(tiny_model_dir, tmp_path
 
     model = AutoModelForCausalLM.from_pretrained(latest_model_dir(run_dir))
     assert load_tokenizer(latest_model_dir(run_dir)).chat_template  # a complete model dir, tokenizer included
-    assert sum(p.numel() for p in model.parameters()) > 0
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.equal(w, initial[k]) for k, w in model.state_dict().items())  # the trained weights
     with pytest.raises(ConfigError, match="already holds a run"):
         run_sft(cfg, progress=False)
     assert run_sft(cfg, resume=True, progress=False) == run_dir  # finished: nothing left to do

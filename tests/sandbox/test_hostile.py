@@ -26,7 +26,7 @@ HOSTILE = {
     "numpy_alloc": ("import numpy as np\nnp.ones((30000, 30000))", {Status.MEMORY_LIMIT}, "memory limit is 256 MiB"),
     "ram_disk_fill": (
         "import os\nfor i in range(100):\n    with open(f'/dev/shm/f{i}', 'wb') as f:\n        f.write(b'x' * 2**26)",
-        {Status.RUNTIME_ERROR, Status.MEMORY_LIMIT}, "",
+        {Status.RUNTIME_ERROR, Status.MEMORY_LIMIT}, ("No space left on device", "memory limit is 256 MiB"),
     ),
     "disk_fill": ("with open('fill', 'wb') as f:\n    while True:\n        f.write(b'x' * 2**20)", {Status.RUNTIME_ERROR}, "OSError"),
     "infinite_print": ("while True: print('spam' * 100)", {Status.OUTPUT_LIMIT}, "output limit exceeded"),
@@ -37,7 +37,7 @@ HOSTILE = {
     ),
     "deep_recursion": ("def f(n):\n    return f(n + 1)\nf(0)", {Status.RUNTIME_ERROR}, "RecursionError"),
     "sys_exit_mid_output": ("print('before')\nimport sys\nsys.exit(3)\nprint('after')", {Status.RUNTIME_ERROR}, "exited with code 3"),
-    "os_exit_mid_output": ("import os, sys\nprint('before', flush=True)\nos._exit(0)\nprint('after')", {Status.OK}, ""),
+    "os_exit_mid_output": ("import os, sys\nprint('before', flush=True)\nos._exit(0)\nprint('after')", {Status.OK}, None),
     "close_stdout_then_print": ("import sys\nprint('a')\nsys.stdout.close()\nprint('b')", {Status.RUNTIME_ERROR}, "ValueError"),
     "close_fd1_then_print": ("import os\nos.close(1)\nprint('b')", {Status.RUNTIME_ERROR}, "OSError"),
     "stdin_none_given": ("input()", {Status.RUNTIME_ERROR}, "EOFError"),
@@ -51,7 +51,12 @@ async def test_hostile_input(pool, canary, name):
     timeout = 1.0 if Status.TIMEOUT in statuses else 10.0  # others end by themselves: no flakiness under load
     r = await pool.run(code, timeout=timeout, limits={"output_bytes": 1 << 20})
     assert r.status in statuses, (name, r)
-    assert message in r.message + r.stderr, (name, r.message, r.stderr[-300:])
+    if message is None:  # ends cleanly: what it printed before exiting, and nothing to complain about
+        assert (r.stdout, r.message, r.stderr) == ("before\n", "", ""), (name, r)
+    else:
+        assert any(m in r.message + r.stderr for m in ([message] if isinstance(message, str) else message)), (
+            name, r.message, r.stderr[-300:],
+        )  # fmt: skip
     assert "/work" not in r.render() and "site-packages" not in r.render(), r.render()
     assert r.wall_ms < timeout * 1000 + 10_000  # killing a fork bomb's namespace takes a moment under load
     assert_host_untouched(canary, pool.uids, zygote_pids(os.getpid()))
@@ -84,8 +89,8 @@ async def test_filesystem_is_read_only_outside_workdir(pool, canary):
     assert r2.stdout == "[]\n", "the workdir must be fresh"
 
 
-async def test_secrets_are_unreadable(pool):
-    os.environ["TIRL_TEST_SECRET"] = "hunter2"  # only the service's environment has it
+async def test_secrets_are_unreadable(pool, monkeypatch):
+    monkeypatch.setenv("TIRL_TEST_SECRET", "hunter2")  # only the service's environment has it
     code = (
         "import os\nprint(sorted(k for k in os.environ if 'SECRET' in k or 'TOKEN' in k))\n"
         "for path in ('/etc/shadow', '/root/.bashrc', f'/proc/{os.getppid() or 1}/environ'):\n"
@@ -140,9 +145,11 @@ async def test_threads_and_orphans_do_not_outlive_the_call(pool, canary):
         "import os, threading, time\nthreading.Thread(target=time.sleep, args=(100,)).start()\n"
         "if os.fork() == 0:\n    os.setsid()\n    time.sleep(100)\nprint('parent done')"
     )
-    r = await pool.run(code, timeout=3)
-    assert (r.status, r.stdout) == (Status.OK, "parent done\n"), r
-    assert r.wall_ms < 2000, "stray threads or setsid() orphans kept the call alive"
+    # Kept alive by its sleeping thread or orphan, the call would time out (they sleep 100 s).
+    r = await pool.run(code, timeout=30)
+    assert (r.status, r.stdout) == (Status.OK, "parent done\n"), (
+        "stray threads or setsid() orphans kept the call alive"
+    )
     assert_host_untouched(canary, pool.uids, zygote_pids(os.getpid()))
 
 
