@@ -166,3 +166,13 @@ def test_edge_cases():
     assert resample_on_correct([M(1), M(0), M(1)], 2, rng, mode="off") == [0, 1]
     with pytest.raises(ValueError, match="keep"):
         resample_on_correct(all_wrong, 0, rng)
+
+
+def test_positive_weights_floor_a_perfect_trajectory_at_half_the_best_imperfect_one():
+    from tirl.rl.roc import positive_weights
+
+    # the best imperfect p_total is 0.01: the perfect one counts as 0.005, weight 1 / 0.005
+    assert positive_weights([0.0, 0.01, 0.5]).tolist() == pytest.approx([200.0, 100.0, 2.0])
+    # imperfect ones far from 0: the floor is perfect_p
+    assert positive_weights([0.0, 0.5, 1.5], perfect_p=0.1).tolist() == pytest.approx([10.0, 2.0, 1 / 1.5])
+    assert positive_weights([0.0, 0.0]).tolist() == pytest.approx([100.0, 100.0])  # all perfect: equal
