@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tirl-installed
 
-.PHONY: install test test-fast demo lint bench clean
+.PHONY: install test test-fast demo lint bench mutate clean
 
 install: $(STAMP)
 
@@ -48,5 +48,18 @@ bench: install
 	$(PY) benchmarks/rollout_overlap.py
 	$(PY) benchmarks/scheduler_sim.py
 
+# Mutation testing of the spine (config: [tool.mutmut] in pyproject.toml). Not in CI: CPU-heavy, so
+# one module at a time and niced. MUTATE="tirl.rl.roc" narrows it; `mutmut show NAME` shows a survivor.
+MUTATE ?= tirl.rl.roc tirl.rl.grpo tirl.rl.trainer.x_build_samples tirl.rl.trainer.x_engine_gap \
+	tirl.reward.extract tirl.engines.scheduler tirl.agent.loop
+mutate: install
+	$(PY) -m pip install -q "mutmut==3.8.1"
+	for m in $(MUTATE); do nice -n 10 $(VENV)/bin/mutmut run "$$m*" > /dev/null || exit 1; done
+	@# killed share per module, over the mutants that ran (a timeout counts as killed)
+	$(VENV)/bin/mutmut results --all true | grep -v "not checked" | awk -F': ' \
+		'{ m = $$1; sub(/^ +/, "", m); sub(/\.x[_\xc7].*/, "", m); n[m]++; if ($$2 ~ /killed|timeout/) k[m]++ } \
+		END { for (m in n) printf "%-28s %4d of %4d killed (%.0f%%)\n", m, k[m], n[m], 100 * k[m] / n[m] }'
+	@echo "survivors: $(VENV)/bin/mutmut results; one of them: $(VENV)/bin/mutmut show NAME"
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache mutants

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,14 @@ import pytest
 from scipy.stats import chisquare
 
 from tirl.agent.trajectory import ToolCallRecord, Trajectory
-from tirl.rl.roc import penalties, positive_weights, resample_on_correct, split_slots
+from tirl.rl.roc import (
+    _sample_without_replacement,
+    is_positive,
+    penalties,
+    positive_weights,
+    resample_on_correct,
+    split_slots,
+)
 
 
 @dataclass
@@ -169,10 +177,23 @@ def test_edge_cases():
 
 
 def test_positive_weights_floor_a_perfect_trajectory_at_half_the_best_imperfect_one():
-    from tirl.rl.roc import positive_weights
-
     # the best imperfect p_total is 0.01: the perfect one counts as 0.005, weight 1 / 0.005
     assert positive_weights([0.0, 0.01, 0.5]).tolist() == pytest.approx([200.0, 100.0, 2.0])
     # imperfect ones far from 0: the floor is perfect_p
     assert positive_weights([0.0, 0.5, 1.5], perfect_p=0.1).tolist() == pytest.approx([10.0, 2.0, 1 / 1.5])
     assert positive_weights([0.0, 0.0]).tolist() == pytest.approx([100.0, 100.0])  # all perfect: equal
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, math.inf, math.nan])
+def test_weights_that_are_not_finite_and_positive_are_refused(bad):
+    with pytest.raises(ValueError, match="RoC weights must be finite and positive"):
+        _sample_without_replacement([0, 1, 2], np.array([1.0, bad, 2.0]), 1, np.random.default_rng(0))
+
+
+def test_class_minimum_and_smallest_keep_reach_the_split():
+    rng = np.random.default_rng(0)
+    group = [M(1)] * 7 + [M(0)]  # 7 positives, 1 negative, keep 4: (4, 0) by default, (3, 1) with a minimum
+    assert 7 not in resample_on_correct(group, 4, rng)
+    assert 7 in resample_on_correct(group, 4, rng, min_per_class=1)
+    assert len(resample_on_correct(group, 1, rng)) == 1  # keep = 1 is a valid group size
+    assert [is_positive(M(r)) for r in (0.0, 0.5, 1.0)] == [False, False, True]  # positive: reward > 0.5
