@@ -197,3 +197,30 @@ def test_class_minimum_and_smallest_keep_reach_the_split():
     assert 7 in resample_on_correct(group, 4, rng, min_per_class=1)
     assert len(resample_on_correct(group, 1, rng)) == 1  # keep = 1 is a valid group size
     assert [is_positive(M(r)) for r in (0.0, 0.5, 1.0)] == [False, False, True]  # positive: reward > 0.5
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((0, 0, 4), (0, 0)),  # an empty group
+        ((5, 1, 4, 2), (3, 1)),  # a class minimum is capped by the class's size ...
+        ((1, 5, 2, 3), (0, 2)),  # ... and by keep: the negatives get theirs first
+        ((3, 3, 2, 2), (0, 2)),  # the positives get what keep leaves after the negatives' minimum
+    ],
+)
+def test_split_slots_corners(args, expected):
+    assert split_slots(*args) == expected
+
+
+def test_options_reach_the_penalties_and_weights():
+    rng = np.random.default_rng(0)
+    assert penalties(M(1, 1, 0, 2, 1)).p_format == 1.0  # 2 answer blocks in 1 turn: (2 - 1) / 1
+    no_tool, erring = M(1, 0, 0, 1, 2), M(1, 4, 1, 1, 2)  # p_total: no_tool_p_err vs 0.25
+    assert resample_on_correct([no_tool, erring, M(0)], 1, rng, mode="topk") == [1]
+    assert resample_on_correct([no_tool, erring, M(0)], 1, rng, mode="topk", no_tool_p_err=0.1) == [0]
+    # perfect_p sets a perfect trajectory's weight: 1 / 0.25 vs 1 / 0.5 picks it ~2/3 of the time
+    group = [M(1, 1, 0, 1, 2), M(1, 2, 1, 1, 2)]  # p_total 0 and 0.5
+    picks = [resample_on_correct(group, 1, rng, perfect_p=0.25) for _ in range(600)]
+    assert 330 < picks.count([0]) < 470  # the default perfect_p (0.01) would give ~588
+    with pytest.raises(ValueError, match="unknown RoC mode 'best'"):
+        resample_on_correct(group, 1, rng, mode="best")
