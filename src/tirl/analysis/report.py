@@ -102,9 +102,10 @@ def plot_entropy(
             )
             start = None
     for n, (name, ents) in enumerate(entropies.items()):
-        generated = [(i, e) for i, (e, m) in enumerate(zip(ents, mask, strict=True)) if m]
-        xs, ys = zip(*generated, strict=True) if generated else ((), ())
-        ax.plot(xs, ys, ".-", color=f"C{n}", markersize=3, linewidth=0.8, label=f"entropy ({name})")
+        ys = [e if m else float("nan") for e, m in zip(ents, mask, strict=True)]  # a gap at tool responses
+        ax.plot(
+            range(len(ys)), ys, ".-", color=f"C{n}", markersize=3, linewidth=0.8, label=f"entropy ({name})"
+        )
         ax.axhline(results[name].threshold, color=f"C{n}", linestyle="--", linewidth=1,
                    label=f"top {results[name].top:.0%} threshold ({name})")  # fmt: skip
     ax.set(xlabel="response token", ylabel="entropy (nats)", title="Token entropy along a trajectory")
