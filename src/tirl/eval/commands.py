@@ -152,6 +152,7 @@ def run_eval(
         )
         raise
     report.config = {"model": engine_cfg.model, "engine": engine_cfg.backend, **report.config}
+    report.config |= {"max_turns": agent.max_turns, "max_tokens": agent.max_response_tokens}  # in effect
     report.write(out)
     console.print(report.to_markdown(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {Path(out) / 'report.md'}, metrics.json, trajectories.jsonl")
