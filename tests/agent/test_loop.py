@@ -16,7 +16,8 @@ from tirl.engines.base import Generation
 from tirl.engines.hf import HFEngine
 from tirl.sandbox import Sandbox
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+# The first test to use the taught model pays for teaching it (minutes on a loaded 2-core machine).
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(1200)]
 
 
 def runs(ids: list[int], mask: list[int], keep: int) -> list[list[int]]:

@@ -62,3 +62,25 @@ def test_fallback_uses_only_the_final_turn():
 def test_last_boxed_rightmost_complete():
     assert last_boxed("\\boxed{1} \\boxed{\\frac{2}{3}}") == "\\frac{2}{3}"
     assert last_boxed("\\boxed{1} \\boxed{") == "1"
+
+
+def test_answer_block_wins_over_a_later_box_and_only_the_final_turn_falls_back():
+    # the last box of the last answer block, though the final turn boxes something later
+    assert extract_answer("<answer>\\boxed{1}</answer> and later \\boxed{2}") == "1"
+    # no box in the final turn (after the last tool response): a box from an earlier turn does not count
+    response = "a" + TOOL.format("", "3") + "b \\boxed{7}" + TOOL.format("", "4") + "c"
+    assert extract_answer(response) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ("\\boxed ", None),  # nothing after the command
+        ("\\boxed\n5", None),  # only spaces and tabs separate \boxed from its token
+        ("\\boxed X", "X"),
+        ("\\boxed{X}", "X"),
+        ("\\boxed{\\{}", "\\{"),  # an escaped brace never closes the box
+    ],
+)
+def test_boxed_content_corners(text, content):
+    assert last_boxed(text) == content

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tirl.rl.grpo import clip_counts, entropy_from_logits, group_advantages, kl_k3, policy_loss
+from tirl.rl.grpo import clip_counts, entropy_from_logits, group_advantages, kl_k3, masked_sum, policy_loss
 
 
 def test_group_advantages_by_hand():
@@ -92,3 +92,59 @@ def test_kl_and_entropy():
     assert float(kl_k3(torch.tensor(-1.0), torch.tensor(-2.0))) == pytest.approx(math.exp(-1.0))
     uniform = torch.zeros(1, 1, 8)
     assert float(entropy_from_logits(uniform)) == pytest.approx(math.log(8))
+
+
+def _of_ratios(*ratios: float) -> torch.Tensor:
+    """Log-probs whose ratio to old log-probs of 0 are `ratios` (one sequence)."""
+    return torch.tensor([[math.log(r) for r in ratios]])
+
+
+def test_defaults_are_the_papers_clip_higher_and_ratios_are_new_over_old():
+    z, ones = torch.zeros(1, 3), torch.ones(1, 3)
+    # A = -1 at ratio 0.5: clipped at 1 - 0.2; A = +2 at ratio 1.5: clipped at 1 + 0.28; 1.1 unclipped
+    assert float(policy_loss(_of_ratios(0.5, 0.5, 0.5), z, -torch.ones(1), ones)) == pytest.approx(0.8)
+    assert float(policy_loss(_of_ratios(1.5, 1.5, 1.1), z, 2 * torch.ones(1), ones)) == pytest.approx(
+        -2 * (1.28 + 1.28 + 1.1) / 3
+    )
+    # the ratio is exp(new - old), not exp(new + old)
+    assert float(policy_loss(torch.full((1, 3), -1.0), torch.full((1, 3), -1.1), torch.ones(1), ones)) == (
+        pytest.approx(-math.exp(0.1))
+    )
+    assert clip_counts(_of_ratios(0.5, 1.1, 1.5), z, -torch.ones(1), ones) == (1, 0)  # only 0.5 < 0.8
+    assert clip_counts(_of_ratios(0.5, 1.1, 1.5), z, torch.ones(1), ones) == (0, 1)  # only 1.5 > 1.28
+    # a token whose advantage is 0 (or positive) is never clipped low, one whose advantage is 0 never high
+    assert clip_counts(_of_ratios(0.5, 0.5, 1.5), z, torch.tensor([[0.0, 0.5, 0.0]]), ones) == (0, 0)
+
+
+def test_per_token_advantages_and_extreme_ratios():
+    ones = torch.ones(1, 2)
+    adv = torch.tensor([[1.0, -1.0]])  # one advantage per token, not per sequence
+    assert float(policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), adv, ones)) == pytest.approx(0.0)
+    # log-ratios are clamped to [-20, 20] before exp (no inf/NaN from a far-off token)
+    assert float(
+        policy_loss(torch.tensor([[-50.0]]), torch.zeros(1, 1), -torch.ones(1), torch.ones(1, 1))
+    ) == (pytest.approx(0.8))
+    assert clip_counts(
+        torch.tensor([[-50.0, 50.0]]), torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), ones
+    ) == (1, 1)
+    assert float(kl_k3(torch.tensor(0.0), torch.tensor(-50.0))) == pytest.approx(math.exp(-20) + 20 - 1)
+    assert float(kl_k3(torch.tensor(0.0), torch.tensor(50.0))) == pytest.approx(math.exp(20) - 20 - 1)
+
+
+def test_masked_sum_defaults_sequence_denominator_and_errors():
+    values = torch.tensor([[1.0, 3.0], [5.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    assert float(masked_sum(values, mask)) == pytest.approx(3.0)  # token mean: (1 + 3 + 5) / 3
+    assert float(masked_sum(values, mask, "sequence")) == pytest.approx((2.0 + 5.0) / 2)
+    assert float(masked_sum(values, mask, "sequence", denominator=7)) == pytest.approx(1.0)
+    assert float(masked_sum(values[:1], mask[:1], "sequence")) == pytest.approx(2.0)  # one sequence
+    with pytest.raises(ValueError, match="unknown loss normalization 'seq'"):
+        masked_sum(values, mask, "seq")
+
+
+def test_advantage_eps_and_entropy_per_row():
+    assert group_advantages([1.0, 0.0], eps=0.5) == pytest.approx(
+        [0.5 / (2**-0.5 + 0.5), -0.5 / (2**-0.5 + 0.5)]
+    )
+    ent = entropy_from_logits(torch.tensor([[0.0, 0.0], [0.0, -100.0]]))
+    assert ent.tolist() == pytest.approx([math.log(2), 0.0], abs=1e-6)

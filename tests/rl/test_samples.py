@@ -50,6 +50,11 @@ def test_only_kept_members_become_samples():
     group = [_traj(1.0), _traj(0.0), _traj(1.0), _traj(0.0)]
     samples = build_samples([group, [_traj(0.0), _traj(0.0)]], [[2, 1], []], normalize_std=False)
     assert [s.advantage for s in samples] == pytest.approx([0.5, -0.5])
+    # a member with nothing to train is skipped, the members after it are not
+    samples = build_samples([[_traj(0.0, generated=False), _traj(1.0)]], [[0, 1]], normalize_std=False)
+    assert [s.advantage for s in samples] == pytest.approx([0.5])
+    with pytest.raises(ValueError):  # one kept-index list per group, no silent truncation
+        build_samples([group, group], [[0, 1]], normalize_std=False)
 
 
 @pytest.fixture(scope="module")
