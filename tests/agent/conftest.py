@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
-from tests.agent.scripted import Script, call, record, teach
+from tests.agent.scripted import Script, call, record, teach, tool_call
 from transformers import AutoModelForCausalLM
 
 from tirl.agent import AgentConfig
@@ -34,6 +34,14 @@ CFG = AgentConfig(
     tool_timeout=5.0,
     show_exec_time=False,  # the taught model replays its script only on identical tool text
 )
+# The Python tool (shown with the compact schema) and a user tool loaded by its dotted path.
+CFG_TWO_TOOLS = CFG.model_copy(
+    update={
+        "tools": ["execute_python_code_with_standard_io", "tests.agent.lookup_tool:Lookup"],
+        "max_calls_per_turn": 2,
+        "stop_at_tool_call": False,  # both calls of a turn run (concurrently) when the turn ends
+    }
+)
 SLOW_S = 3.0  # the "mul" tool call sleeps this long
 ANSWER = "</reason><answer>\\boxed{42}</answer><|im_end|>"
 
@@ -56,6 +64,16 @@ SCRIPTS = {
     "closed": Script(Problem("closed", "5*8+2?", "42"), [" " + call("print(5*8+2)") + "<|im_end|>", ANSWER]),
     # calls the tool on every turn: ends by max_turns or by the budget
     "loop": Script(Problem("loop", "loop?", "0"), [" " + call("print(1)")] * 2),
+    # two tools: a failing Python call and a failing lookup in one turn, both fixed in the next, the answer
+    "two": Script(
+        Problem("two", "6*7 by two tools?", "42"),
+        [
+            " " + call("print(6/0)") + tool_call("lookup", {"key": "6*7"}) + "<|im_end|>",
+            " " + call("print(6*7)") + tool_call("lookup", {"key": "six_times_seven"}) + "<|im_end|>",
+            ANSWER,
+        ],
+        CFG_TWO_TOOLS,
+    ),
 }
 
 

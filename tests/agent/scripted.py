@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from tirl.agent import AgentConfig, build_prompt_ids, parse_tool_calls, render_tool_response
-from tirl.agent.protocol import ToolCall, encode, truncate_middle
+from tirl.agent.protocol import ToolCall, encode, tool_schemas, truncate_middle
+from tirl.agent.tools import ToolContext, close_tools, toolbox
 from tirl.data.problem import Problem
 
 
@@ -21,6 +22,7 @@ from tirl.data.problem import Problem
 class Script:
     problem: Problem
     turns: list[str]  # assistant turns as generated (after the prefill), the last one ends the answer
+    cfg: AgentConfig | None = None  # None: the tests' common config
 
 
 @dataclass
@@ -30,17 +32,28 @@ class Recording:
     loss_mask: list[int]
 
 
-def call(code: str, stdin: str = "") -> str:
-    """A well-formed tool call as the model would write it."""
+def call(code: str, stdin: str = "", name: str = "execute_python_code_with_standard_io") -> str:
+    """A well-formed Python tool call as the model would write it."""
+    return tool_call(name, {"code": code, "input": stdin})
+
+
+def tool_call(name: str, arguments: dict) -> str:
     import json
 
-    args = json.dumps(
-        {"name": "execute_python_code_with_standard_io", "arguments": {"code": code, "input": stdin}}
-    )
-    return f"<tool_call>\n{args}\n</tool_call>"
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 async def record(tokenizer, executor, script: Script, cfg: AgentConfig) -> Recording:
+    """The script's conversation as the loop must produce it, the calls run by the configured tools."""
+    cfg = script.cfg or cfg
+    tools = toolbox(cfg.tools, cfg.tool_schema).open(ToolContext(executor, cfg))
+    try:
+        return await _record(tokenizer, tools, script, cfg)
+    finally:
+        await close_tools(tools)
+
+
+async def _record(tokenizer, tools, script: Script, cfg: AgentConfig) -> Recording:
     prompt = build_prompt_ids(tokenizer, script.problem.problem, cfg)
     ids: list[int] = []
     mask: list[int] = []
@@ -51,12 +64,10 @@ async def record(tokenizer, executor, script: Script, cfg: AgentConfig) -> Recor
         if i == len(script.turns) - 1:
             break
         responses = []
-        for c in parse_tool_calls(turn, cfg.max_calls_per_turn):
+        for c in parse_tool_calls(turn, cfg.max_calls_per_turn, tool_schemas(cfg)):
             if isinstance(c, ToolCall):
-                result = await executor.run(c.code, c.stdin, cfg.tool_timeout)
-                responses.append(
-                    truncate_middle(result.render(show_time=cfg.show_exec_time), cfg.tool_output_max_chars)
-                )
+                result = await tools[c.name].call(c.arguments)
+                responses.append(truncate_middle(result.text, cfg.tool_output_max_chars))
             else:
                 responses.append(c.render())
         # A turn that ends with <|im_end|> itself (no stop at </tool_call>) is closed already.

@@ -99,10 +99,10 @@ def test_a_valid_call_parses_with_its_span():
     text = "<reason>compute " + call("print(6*7)", "x") + " tail"
     [c] = parse_tool_calls(text)
     assert isinstance(c, ToolCall)
-    assert (c.name, c.code, c.stdin) == (NAME, "print(6*7)", "x")
+    assert (c.name, c.arguments) == (NAME, {"code": "print(6*7)", "input": "x"})
     assert text[c.start : c.end].startswith("<tool_call>") and text[c.start : c.end].endswith("</tool_call>")
     [c] = parse_tool_calls(f'<tool_call>{{"name": "{NAME}", "arguments": {{"code": "1"}}}}</tool_call>')
-    assert c.stdin == ""  # input is optional
+    assert c.arguments == {"code": "1"}  # input is optional
 
 
 def test_no_call_gives_an_empty_list():

@@ -47,8 +47,8 @@ async def test_clean_traces_call_the_tool_once_and_answer_correctly(sandbox):
         assert t["kind"] == "tool"
         assert t["prompt"] == build_prompt_text(None, p.problem, CFG)
         first, final = turns(t["completion"])
-        (call,) = parse_tool_calls(first, tool_schema=SCHEMA)
-        assert call.code == p.meta["code"]
+        (call,) = parse_tool_calls(first, tools=SCHEMA)
+        assert call.arguments["code"] == p.meta["code"]
         assert "[ok," in t["completion"]  # the sandbox's real status line
         assert score(t["completion"], p.answer) == 1.0
         assert count_answer_blocks(final) == 1
@@ -70,9 +70,12 @@ async def test_code_fix_traces_show_a_real_failure_then_the_fix(sandbox):
     problems, traces = await traces_of(mix, 24, sandbox)
     for p, t in zip(problems, traces, strict=True):
         first, fix, final = turns(t["completion"])
-        (bad,) = parse_tool_calls(first, tool_schema=SCHEMA)
-        (good,) = parse_tool_calls(fix, tool_schema=SCHEMA)
-        assert getattr(bad, "code", None) != p.meta["code"] and good.code == p.meta["code"]
+        (bad,) = parse_tool_calls(first, tools=SCHEMA)
+        (good,) = parse_tool_calls(fix, tools=SCHEMA)
+        assert (
+            getattr(bad, "arguments", {}).get("code") != p.meta["code"]
+            and good.arguments["code"] == p.meta["code"]
+        )
         assert all(sign in t["completion"] for sign in FAILURE_SIGNS[t["failure"]]), t
         assert count_answer_blocks(final) == 2  # redundant_answer=1: a repeated answer block
         assert score(t["completion"], p.answer) == 1.0  # a messy trajectory earns full reward
@@ -123,11 +126,11 @@ async def test_every_failed_attempt_fails_its_way(sandbox, kind):
     families = ["sum_big"] if kind == "timeout" else None
     for p in generate(8, "train", families=families):
         call, code = failed_attempt(p, kind, CFG, rng)
-        (parsed,) = parse_tool_calls(call, tool_schema=SCHEMA)
+        (parsed,) = parse_tool_calls(call, tools=SCHEMA)
         if kind == "malformed":
             assert not code and "invalid JSON" in parsed.render()
             continue
-        assert parsed.code == code
+        assert parsed.arguments["code"] == code
         result = await sandbox.run(code, timeout=1.0)
         assert all(sign in result.render() for sign in FAILURE_SIGNS[kind]), result.render()
 

@@ -87,7 +87,7 @@ def _group(rng, n=32, p_pos=0.4):
     ]
 
 
-@pytest.mark.parametrize("mode", ["sample", "topk"])
+@pytest.mark.parametrize("mode", ["sample", "sample_finite", "topk"])
 def test_kept_counts_total_g(mode):
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -100,8 +100,9 @@ def test_kept_counts_total_g(mode):
         assert sum(g[i].reward > 0.5 for i in kept) == split_slots(n_pos, 32 - n_pos, 16)[0]
 
 
-def test_positive_first_pick_frequencies_follow_inverse_p_total():
-    """With one positive slot, P(pick i) = (1/p_i) / sum_j 1/p_j exactly; chi-square over many draws."""
+def test_finite_mode_first_pick_frequencies_follow_inverse_p_total():
+    """sample_finite, one positive slot: P(pick i) = (1/p_i) / sum_j 1/p_j, the perfect one's p_total
+    floored; chi-square over many draws."""
     pos = [M(1, 4, 0, 1, 2), M(1, 4, 1, 1, 2), M(1, 4, 2, 1, 2), M(1, 0, 0, 1, 2), M(1, 2, 0, 0, 2)]
     # p_total:      0 (perfect)    0.25           0.5            0.5 (no tools)  1.0 (no answer)
     group = [*pos, *[M(0) for _ in range(5)]]  # 5 + 5 members, keep 2: one slot per class
@@ -109,13 +110,49 @@ def test_positive_first_pick_frequencies_follow_inverse_p_total():
     draws = 10000
     counts = np.zeros(len(pos))
     for _ in range(draws):
-        kept = resample_on_correct(group, 2, rng)
+        kept = resample_on_correct(group, 2, rng, mode="sample_finite")
         (p,) = [i for i in kept if i < len(pos)]
         counts[p] += 1
     w = positive_weights([penalties(m).p_total for m in pos])
     assert w[0] == w.max() and np.isfinite(w).all()  # the perfect one is the most likely, and finite
     expected = w / w.sum() * draws
     assert chisquare(counts, expected).pvalue > 1e-3
+
+
+def test_perfect_positives_fill_the_slots_first_uniformly():
+    """sample (the limit of 1/p_total): with at least k perfect positives, only perfect ones are kept,
+    each k-subset of them equally likely; sample_finite still keeps an imperfect one now and then."""
+    perfect = [M(1, 2, 0, 1, 2) for _ in range(4)]  # p_total 0
+    imperfect = [M(1, 4, 1, 1, 2) for _ in range(4)]  # p_total 0.25
+    group = [*perfect, *imperfect, *[M(0) for _ in range(8)]]  # keep 4: 2 positive slots
+    rng = np.random.default_rng(5)
+    subsets: dict[tuple, int] = {}
+    finite_imperfect = 0
+    for _ in range(6000):
+        kept = tuple(i for i in resample_on_correct(group, 4, rng) if i < 8)
+        assert len(kept) == 2 and all(i < 4 for i in kept)  # never an imperfect one
+        subsets[kept] = subsets.get(kept, 0) + 1
+        finite = resample_on_correct(group, 4, rng, mode="sample_finite")
+        finite_imperfect += any(4 <= i < 8 for i in finite)
+    assert sorted(subsets) == list(itertools.combinations(range(4), 2))
+    assert chisquare(list(subsets.values()), np.full(6, 1000)).pvalue > 1e-3  # uniform: 1/6 each
+    assert finite_imperfect > 0  # the finite weight's leak the limit reading removes
+
+
+def test_slots_left_by_perfect_positives_follow_inverse_p_total():
+    """One perfect positive and three imperfect (p_total 0.25, 0.5, 1.0), two positive slots: the perfect
+    one is always kept, the other slot goes to i with probability (1/p_i) / sum_j (1/p_j) = 4/7, 2/7, 1/7."""
+    pos = [M(1, 2, 0, 1, 2), M(1, 4, 1, 1, 2), M(1, 4, 2, 1, 2), M(1, 2, 0, 0, 2)]
+    assert [penalties(m).p_total for m in pos] == [0.0, 0.25, 0.5, 1.0]
+    group = [*pos, *[M(0) for _ in range(4)]]  # keep 4: 2 positive slots
+    rng = np.random.default_rng(6)
+    counts = np.zeros(4)
+    for _ in range(7000):
+        kept = [i for i in resample_on_correct(group, 4, rng) if i < 4]
+        assert kept[0] == 0 and len(kept) == 2
+        counts[kept[1]] += 1
+    assert counts[0] == 0
+    assert chisquare(counts[1:], np.array([4, 2, 1]) * 1000).pvalue > 1e-3
 
 
 def test_two_positive_slots_match_sequential_sampling_without_replacement():
@@ -169,6 +206,7 @@ def test_edge_cases():
     assert len(resample_on_correct(no_tools, 2, rng)) == 2
     perfect = [M(1, 1, 0, 1, 1) for _ in range(4)]  # p_total = 0 for all
     assert len(resample_on_correct(perfect, 2, rng)) == 2
+    assert len(resample_on_correct(perfect, 2, rng, mode="sample_finite")) == 2
     empty = [M(0, 0, 0, 0, 0) for _ in range(4)]  # empty responses: no turns, no answer
     assert len(resample_on_correct(empty, 2, rng)) == 2
     assert resample_on_correct([M(1), M(0), M(1)], 2, rng, mode="off") == [0, 1]

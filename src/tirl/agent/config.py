@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tirl.agent.tools import DEFAULT_TOOLS, toolbox
 
 
 class AgentConfig(BaseModel):
@@ -22,7 +24,15 @@ class AgentConfig(BaseModel):
     stop_at_tool_call: bool = True  # end a turn at </tool_call> so the call runs at once
     system_prompt: str | None = None  # None: the paper's prompt (tirl.agent.protocol.DEFAULT_SYSTEM_PROMPT)
     user_prompt: str | None = None  # template with {problem}; None: DEFAULT_USER_PROMPT
-    tool_schema: dict | None = None  # None: TOOL_SCHEMA (execute_python_code_with_standard_io)
+    # Tools the model may call: built-in names (tirl.agent.tools.BUILTIN_TOOLS) or `module:Class` paths
+    # of tirl.agent.tools.Tool subclasses; all their schemas go into the prompt's <tools>.
+    tools: list[str] = Field(default_factory=lambda: list(DEFAULT_TOOLS))
+    tool_schema: dict | None = None  # replaces the FIRST tool's schema as the model sees it (None: its own)
     prefill: str = "<reason>"  # written after <|im_start|>assistant\n of the first turn
     continue_prefill: str | None = None  # after a tool response; None: the same as prefill
     use_chat_template: bool = True  # the tokenizer's template when it supports tools, else built-in ChatML
+
+    @model_validator(mode="after")
+    def _tools_load(self) -> AgentConfig:
+        toolbox(self.tools, self.tool_schema)  # a bad path or schema fails here, at config load
+        return self

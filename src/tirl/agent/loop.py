@@ -1,20 +1,20 @@
 """The multi-turn agent loop: one asyncio task per trajectory, tool calls run the moment a turn ends.
 
-A trajectory alternates generation (on the engine its lease gives) and tool execution (on the
-executor); while one trajectory waits for its tool, the engine keeps decoding the others, so tool
-latency hides behind generation. Every wait has a timeout. Engine or infrastructure failures end the
-trajectory with finish reason "error" (logged, counted by the caller), never as a wrong answer.
+A trajectory alternates generation (on the engine its lease gives) and tool calls (the config's
+tools, tirl.agent.tools, one fresh instance each per trajectory, closed when it ends; the Python tool
+runs code on the executor); while one trajectory waits for its tool, the engine keeps decoding the
+others, so tool latency hides behind generation. Every wait has a timeout. Engine or infrastructure
+failures end the trajectory with finish reason "error" (logged, counted by the caller), never as a
+wrong answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
-
-import numpy as np
 
 from tirl.agent.config import AgentConfig
 from tirl.agent.protocol import (
@@ -26,40 +26,20 @@ from tirl.agent.protocol import (
     render_tool_response,
     truncate_middle,
 )
-from tirl.agent.trajectory import ToolCallRecord, ToolCallStatus, Trajectory
+from tirl.agent.tools import Tool, ToolContext, close_tools, toolbox
+from tirl.agent.trajectory import ToolCallRecord, Trajectory
 from tirl.data.problem import Problem
 from tirl.engines.base import Engine, EnginePool, Generation, SamplingParams
-from tirl.sandbox.result import ExecResult, Status
+from tirl.sandbox.result import Executor
+from tirl.seeds import derive_seed
 
 log = logging.getLogger(__name__)
 
 EventCallback = Callable[[str, dict], None]
 
 
-class Executor(Protocol):
-    """tirl.sandbox.Sandbox, tirl.sandbox.SandboxClient, or anything that runs code the same way."""
-
-    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult: ...
-
-
 class InfraError(RuntimeError):
-    """The executor failed (not the model's code): the trajectory ends with finish reason 'error'."""
-
-
-_STATUS: dict[Status, ToolCallStatus] = {Status.OK: "ok", Status.TIMEOUT: "timeout"}
-
-
-def tool_status(result: ExecResult) -> ToolCallStatus:
-    if result.is_infra_error:
-        return "sandbox_error"
-    return _STATUS.get(result.status, "runtime_error")
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (base seed, problem index, sample index, turn): reproducible rollouts."""
-    return int(
-        np.random.SeedSequence([p & 0xFFFFFFFFFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1
-    )
+    """A tool's infrastructure failed (not the model's call): the trajectory ends with finish reason 'error'."""
 
 
 class _Special:
@@ -75,7 +55,7 @@ class _Special:
 async def run_trajectory(
     pool: EnginePool,
     tokenizer,
-    executor: Executor,
+    executor: Executor | None,
     problem: Problem,
     cfg: AgentConfig,
     *,
@@ -89,21 +69,29 @@ async def run_trajectory(
     traj = Trajectory(problem_id=problem.id, prompt_ids=prompt_ids, sample_index=sample_index)
     special = _Special(tokenizer)
     emit = _safe_emitter(on_event)
+    box = toolbox(cfg.tools, cfg.tool_schema)
+    tools = box.open(ToolContext(executor, cfg))
     try:
         async with pool.lease(group, len(prompt_ids) + cfg.max_response_tokens) as engine:
             traj.engine = str(getattr(engine, "name", type(engine).__name__))
-            await _turns(engine, tokenizer, executor, traj, cfg, special, seed, emit)
+            await _turns(engine, tokenizer, tools, box.schemas, traj, cfg, special, seed, emit)
     except Exception as exc:
         traj.finish_reason, traj.error = "error", f"{type(exc).__name__}: {exc}"
         log.warning("trajectory %s/%d ended with error: %s", problem.id, sample_index, traj.error)
+    finally:
+        try:
+            await close_tools(tools)
+        except Exception:  # a tool that fails to clean up must not lose the trajectory
+            log.exception("closing the tools of trajectory %s/%d failed", problem.id, sample_index)
     traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False)
     emit("finish", {"finish_reason": traj.finish_reason, "error": traj.error})
     return traj
 
 
 async def _turns(
-    engine: Engine, tokenizer, executor, traj: Trajectory, cfg: AgentConfig, special, seed, emit
-) -> None:
+    engine: Engine, tokenizer, tools: dict[str, Tool], schemas, traj: Trajectory, cfg: AgentConfig,
+    special, seed, emit,
+) -> None:  # fmt: skip
     for turn in range(cfg.max_turns):
         left = cfg.max_response_tokens - len(traj.response_ids)
         if left <= 0:
@@ -117,9 +105,12 @@ async def _turns(
         text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         traj.answer_blocks += count_answer_blocks(text)
         emit("turn", {"turn": turn, "text": text, "finish_reason": gen.finish_reason})
-        calls = parse_tool_calls(text, cfg.max_calls_per_turn, cfg.tool_schema)
+        calls = parse_tool_calls(text, cfg.max_calls_per_turn, schemas)
         if not calls:
-            traj.finish_reason = "answered" if gen.finish_reason == "stop" else "length"
+            if gen.finish_reason != "stop":
+                traj.finish_reason = "length"
+            else:  # the model ended its turn: with an answer, or without one
+                traj.finish_reason = "answered" if traj.answer_blocks else "no_answer"
             return
         if turn == cfg.max_turns - 1:
             traj.finish_reason = "max_turns"  # no turn left to read the result: do not run the calls
@@ -127,7 +118,7 @@ async def _turns(
         if len(traj.response_ids) >= cfg.max_response_tokens:
             traj.finish_reason = "length"  # cut off by the budget: no room for a tool response
             return
-        responses = await asyncio.gather(*(_call_tool(executor, c, turn, traj, cfg, emit) for c in calls))
+        responses = await asyncio.gather(*(_call_tool(tools, c, turn, traj, cfg, emit) for c in calls))
         closed = special.im_end is not None and bool(gen.token_ids) and gen.token_ids[-1] == special.im_end
         segment = render_tool_response(tokenizer, list(responses), cfg, turn_closed=closed)
         if len(traj.response_ids) + len(segment) >= cfg.max_response_tokens:
@@ -165,30 +156,42 @@ async def _generate(
 
 
 async def _call_tool(
-    executor, call: ToolCall | ToolCallError, turn: int, traj: Trajectory, cfg: AgentConfig, emit
+    tools: dict[str, Tool],
+    call: ToolCall | ToolCallError,
+    turn: int,
+    traj: Trajectory,
+    cfg: AgentConfig,
+    emit,
 ) -> str:
     """Run one parsed call (or report its parse error); returns the text of its tool response."""
     if isinstance(call, ToolCallError):
         traj.tool_calls.append(ToolCallRecord(turn=turn, status="malformed", code=call.raw))
         emit("tool_result", {"turn": turn, "status": "malformed", "text": call.render()})
         return call.render()
-    emit("tool_call", {"turn": turn, "code": call.code, "input": call.stdin})
+    shown = call_source(call)
+    emit("tool_call", {"turn": turn, "tool": call.name, "arguments": call.arguments, "code": shown})
     start = time.perf_counter()
     try:
-        result = await asyncio.wait_for(
-            executor.run(call.code, call.stdin, cfg.tool_timeout), cfg.tool_wait_timeout
-        )
+        result = await asyncio.wait_for(tools[call.name].call(call.arguments), cfg.tool_wait_timeout)
     except TimeoutError:
-        raise InfraError(f"the executor gave no result within {cfg.tool_wait_timeout} s") from None
+        raise InfraError(f"tool {call.name} gave no result within {cfg.tool_wait_timeout} s") from None
     finally:
         traj.tool_wait_seconds += time.perf_counter() - start
-    status = tool_status(result)
-    traj.tool_calls.append(ToolCallRecord(turn=turn, status=status, code=call.code, wall_ms=result.wall_ms))
-    if result.is_infra_error:  # after the client's retries: not the model's fault, show no fake error
-        raise InfraError(f"sandbox failed ({result.status}): {result.message or result.stderr}")
-    text = truncate_middle(result.render(show_time=cfg.show_exec_time), cfg.tool_output_max_chars)
-    emit("tool_result", {"turn": turn, "status": status, "text": text})
+    record = ToolCallRecord(
+        turn=turn, status=result.status, code=shown, wall_ms=result.wall_ms, tool=call.name
+    )
+    traj.tool_calls.append(record)
+    if record.infra_failed:  # after the executor's retries: not the model's fault, show no fake error
+        raise InfraError(f"tool {call.name} failed: {result.text}")
+    text = truncate_middle(result.text, cfg.tool_output_max_chars)
+    emit("tool_result", {"turn": turn, "tool": call.name, "status": result.status, "text": text})
     return text
+
+
+def call_source(call: ToolCall) -> str:
+    """What a call ran, for records and displays: its `code` argument, else its JSON arguments."""
+    code = call.arguments.get("code")
+    return code if isinstance(code, str) else json.dumps(call.arguments, ensure_ascii=False)
 
 
 def _append(traj: Trajectory, ids: list[int], logprobs: list[float], trained: bool) -> None:
@@ -212,7 +215,7 @@ def _safe_emitter(on_event: EventCallback | None) -> EventCallback:
 async def rollout(
     pool: EnginePool,
     tokenizer,
-    executor: Executor,
+    executor: Executor | None,
     problems: list[Problem],
     n: int,
     cfg: AgentConfig,

@@ -11,32 +11,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tirl.agent.config import AgentConfig
+from tirl.agent.tools import PythonTool, schema_name, toolbox
 
-TOOL_NAME = "execute_python_code_with_standard_io"
-
-TOOL_SCHEMA: dict = {
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": (
-            "Run Python 3 code with the given standard input and return what it prints. When nothing is "
-            "printed, the value of the last expression is returned; on failure, the error and traceback; "
-            "on a time-out, a notice. Every call starts a fresh interpreter: define what you use. "
-            "numpy, sympy and scipy are installed."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "code": {"type": "string", "description": "The Python source code to run."},
-                "input": {"type": "string", "description": "Text passed to the program as standard input."},
-            },
-            "required": ["code"],
-        },
-    },
-}
+# The paper's tool, the default (tirl.agent.tools.PythonTool).
+TOOL_NAME = PythonTool.name
+TOOL_SCHEMA: dict = PythonTool.schema()
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful mathematician who solves problems by reasoning and by running Python code. "
@@ -60,6 +43,7 @@ _TYPES = {
     "boolean": bool,
     "object": dict,
     "array": list,
+    "null": type(None),
 }
 
 
@@ -69,14 +53,6 @@ class ToolCall:
     arguments: dict
     start: int  # character span of <tool_call>...</tool_call> in the turn's text
     end: int
-
-    @property
-    def code(self) -> str:
-        return self.arguments.get("code", "")
-
-    @property
-    def stdin(self) -> str:
-        return self.arguments.get("input", "")
 
 
 @dataclass
@@ -97,10 +73,18 @@ class _Schema:
     required: tuple[str, ...] = ()
 
 
-def _schema_of(tool_schema: dict | None) -> _Schema:
-    fn = (tool_schema or TOOL_SCHEMA).get("function", tool_schema or TOOL_SCHEMA)
+def _schema_of(schema: dict) -> _Schema:
+    fn = schema.get("function", schema)
     params = fn.get("parameters", {})
     return _Schema(fn["name"], params.get("properties", {}), tuple(params.get("required", ())))
+
+
+def _schemas_of(tools: dict | Sequence[dict] | None) -> dict[str, _Schema]:
+    if tools is None:
+        tools = [TOOL_SCHEMA]
+    elif isinstance(tools, dict):
+        tools = [tools]
+    return {schema_name(t): _schema_of(t) for t in tools}
 
 
 # ---- parsing ----
@@ -110,13 +94,15 @@ _ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
 
 
 def parse_tool_calls(
-    text: str, max_calls: int | None = None, tool_schema: dict | None = None
+    text: str, max_calls: int | None = None, tools: dict | Sequence[dict] | None = None
 ) -> list[ToolCall | ToolCallError]:
     """Every <tool_call> block of one turn, in order: a ToolCall, or a ToolCallError saying what is wrong.
 
-    Calls beyond `max_calls` become errors (the model learns the limit instead of being ignored).
+    Each call is checked against the schema of the tool it names; `tools` is the schemas the model
+    was shown (one or several; default: the paper's Python tool). Calls beyond `max_calls` become
+    errors (the model learns the limit instead of being ignored).
     """
-    schema = _schema_of(tool_schema)
+    schemas = _schemas_of(tools)
     out: list[ToolCall | ToolCallError] = []
     open_at: int | None = None
     for m in _TAG.finditer(text):
@@ -138,7 +124,7 @@ def parse_tool_calls(
             )
             continue
         body_start = open_at + len("<tool_call>")
-        out.append(_parse_one(text, open_at, body_start, m.start(), m.end(), schema))
+        out.append(_parse_one(text, open_at, body_start, m.start(), m.end(), schemas))
         open_at = None
     if open_at is not None:
         out.append(
@@ -159,7 +145,7 @@ def parse_tool_calls(
 
 
 def _parse_one(
-    text: str, start: int, body_start: int, body_end: int, end: int, schema: _Schema
+    text: str, start: int, body_start: int, body_end: int, end: int, schemas: dict[str, _Schema]
 ) -> ToolCall | ToolCallError:
     raw = text[body_start:body_end]
 
@@ -193,8 +179,11 @@ def _parse_one(
     if "name" not in obj:
         return error('tool call has no "name"')
     name = obj["name"]
-    if name != schema.name:
-        return error(f"unknown tool {name!r}: the only tool is {schema.name!r}")
+    if name not in schemas:
+        if len(schemas) == 1:
+            return error(f"unknown tool {name!r}: the only tool is {next(iter(schemas))!r}")
+        return error(f"unknown tool {name!r}: the tools are {', '.join(map(repr, schemas))}")
+    schema = schemas[name]
     if "arguments" not in obj:
         return error('tool call has no "arguments" object')
     args = obj["arguments"]
@@ -254,19 +243,25 @@ def build_prompt_text(tokenizer, problem_text: str, cfg: AgentConfig) -> str:
     system = cfg.system_prompt if cfg.system_prompt is not None else DEFAULT_SYSTEM_PROMPT
     user = (cfg.user_prompt or DEFAULT_USER_PROMPT).format(problem=problem_text)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    schema = cfg.tool_schema or TOOL_SCHEMA
+    schemas = list(tool_schemas(cfg))
     if cfg.use_chat_template and supports_tools(tokenizer):
         text = tokenizer.apply_chat_template(
-            messages, tools=[schema], add_generation_prompt=True, tokenize=False
+            messages, tools=schemas, add_generation_prompt=True, tokenize=False
         )
     else:
-        text = _render_chatml(system, user, schema)
+        text = _render_chatml(system, user, schemas)
     return text + cfg.prefill
 
 
-def _render_chatml(system: str, user: str, schema: dict) -> str:
-    """The built-in ChatML layout for tokenizers whose template knows no tools."""
-    tools = f"\n\n# Tools\n<tools>\n{json.dumps(schema, ensure_ascii=False)}\n</tools>"
+def tool_schemas(cfg: AgentConfig) -> tuple[dict, ...]:
+    """The schemas of the config's tools, as the model sees them in <tools>."""
+    return toolbox(cfg.tools, cfg.tool_schema).schemas
+
+
+def _render_chatml(system: str, user: str, schemas: list[dict]) -> str:
+    """The built-in ChatML layout for tokenizers whose template knows no tools (one schema per line)."""
+    lines = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+    tools = f"\n\n# Tools\n<tools>\n{lines}\n</tools>"
     return f"<|im_start|>system\n{system}{tools}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 

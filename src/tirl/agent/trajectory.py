@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
+# What RoC and the metrics read from a tool call (tirl.agent.tools.ToolResult.status).
 ToolCallStatus = Literal["ok", "runtime_error", "timeout", "malformed", "sandbox_error", "other_error"]
-TrajectoryFinish = Literal["answered", "max_turns", "length", "error"]
+# The tool's infrastructure failed (sandbox down, queue full after retries): never the model's fault.
+INFRA_TOOL_STATUSES: frozenset[str] = frozenset({"sandbox_error"})
+# answered: the last turn made no tool call and gave an <answer>; no_answer: it made no call and gave
+# none; max_turns / length: a budget ended it; error: the engine or a tool's infrastructure failed.
+TrajectoryFinish = Literal["answered", "no_answer", "max_turns", "length", "error"]
 
 
 @dataclass
 class ToolCallRecord:
     turn: int
     status: ToolCallStatus
-    code: str = ""
+    code: str = ""  # the call's `code` argument, else its JSON arguments (malformed: the raw text)
     wall_ms: float = 0.0
+    tool: str = ""  # the tool's name ("" for a malformed call)
+
+    @property
+    def infra_failed(self) -> bool:
+        return self.status in INFRA_TOOL_STATUSES
 
     @property
     def errored(self) -> bool:
-        """An errored call for RoC's p_err: failed execution, timeout, or malformed call.
+        """An errored call for RoC's p_err: failed execution, timeout, or malformed call, of any tool.
 
         Infrastructure failures are not the model's fault and never count against it."""
-        return self.status not in ("ok", "sandbox_error")
+        return self.status != "ok" and not self.infra_failed
 
 
 @dataclass
@@ -81,3 +91,13 @@ def turn_token_counts(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
             counts[-1][0 if m else 1] += 1
         previous = m
     return [(g, t) for g, t in counts]
+
+
+def tool_error_ratio(trajectories: Iterable[Trajectory]) -> float | None:
+    """Errored tool calls / tool calls over `trajectories` (the paper's p_err, pooled); None when they
+    made no tool call at all: n/a, not 0 (a step with no correct trajectory has no Figure-4 value)."""
+    calls = errors = 0
+    for t in trajectories:
+        calls += t.num_tool_calls
+        errors += t.num_tool_errors
+    return errors / calls if calls else None

@@ -24,6 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tirl.agent.config import AgentConfig
+from tirl.agent.trajectory import tool_error_ratio
 from tirl.config import ConfigError, apply_overrides, read_yaml, validate
 from tirl.demo.sft_traces import TraceMix
 from tirl.eval.config import EvalConfig
@@ -355,9 +356,7 @@ async def _evaluate(settings: DemoSettings, model: Path, problems, out_dir: Path
 def error_ratio_in_correct(trajectories) -> float | None:
     """Errored tool calls among the calls of correct trajectories (the paper's Figure 4 quantity);
     None when no correct trajectory called the tool (the ratio is undefined, not 0)."""
-    correct = [t for t in trajectories if t.reward > 0]
-    calls = sum(t.num_tool_calls for t in correct)
-    return sum(t.num_tool_errors for t in correct) / calls if calls else None
+    return tool_error_ratio(t for t in trajectories if t.reward > 0)
 
 
 def _pct(x: float | None) -> float | None:

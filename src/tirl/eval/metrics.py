@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from tirl.agent.trajectory import Trajectory
+from tirl.agent.trajectory import Trajectory, tool_error_ratio
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -94,7 +94,7 @@ class BenchmarkMetrics:
     mean_generated_tokens: float = 0.0  # tokens the model wrote
     mean_turns: float = 0.0
     tool_calls_per_trajectory: float = 0.0
-    tool_error_rate: float = 0.0  # errored calls / calls (the paper's p_err over the whole benchmark)
+    tool_error_rate: float | None = None  # errored calls / calls (p_err over the benchmark); None: no calls
     no_answer_rate: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
@@ -124,7 +124,7 @@ def benchmark_metrics(
         mean_generated_tokens=_mean(sum(t.loss_mask) for t in flat),
         mean_turns=_mean(t.turns for t in flat),
         tool_calls_per_trajectory=calls / len(flat),
-        tool_error_rate=sum(t.num_tool_errors for t in flat) / calls if calls else 0.0,
+        tool_error_rate=tool_error_ratio(flat),
         no_answer_rate=_mean(float(a is None) for r in results for a in r.answers),
         finish_reasons=dict(Counter(t.finish_reason for t in flat).most_common()),
     )

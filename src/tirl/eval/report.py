@@ -87,8 +87,8 @@ class EvalReport:
         return out
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}"
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,8 +47,9 @@ class RewardStats:
     timeouts: int = 0  # verifications past their deadline (scored 0), killed or not
     killed: int = 0  # workers killed because they did not answer by the hard deadline
     errors: int = 0  # verification raised (e.g. MemoryError) or a worker died: scored 0
+    verify_s: float = 0.0  # total wall time of the verifications sent to workers (queueing included)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
@@ -156,6 +158,13 @@ class RewardPool:
             raise RuntimeError("RewardPool is closed")
         if not self._started:
             await self.start()  # used without `async with`: start on first need
+        start = time.perf_counter()
+        try:
+            return await self._verify_on_worker(answer, reference)
+        finally:
+            self.stats.verify_s += time.perf_counter() - start
+
+    async def _verify_on_worker(self, answer: str, reference: str) -> bool:
         worker = await self._idle.get()
         if worker is None:  # no worker left and none can be started
             self._idle.put_nowait(None)  # wake the next waiter, too

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tirl.agent.config import AgentConfig
 from tirl.engines.config import EngineConfig
@@ -19,22 +19,52 @@ class _Strict(BaseModel):
 
 
 class AlgorithmConfig(_Strict):
-    """GRPO-RoC (SPEC.md 3)."""
+    """GRPO-RoC (SPEC.md 3). Objective choices are names of the registries in tirl.rl.advantages and
+    tirl.rl.losses, or `module:function` paths to your own."""
 
     prompts_per_step: int = Field(512, ge=1)
     group_size: int = Field(16, ge=1)  # G: rollouts trained on per prompt
     oversample: int = Field(2, ge=1)  # RoC draws oversample*G rollouts and keeps G (1 rollout set when off)
-    roc: Literal["sample", "topk", "off"] = "sample"  # off = plain GRPO on G rollouts
+    roc: Literal["sample", "sample_finite", "topk", "off"] = "sample"  # see tirl.rl.roc; off = plain GRPO
     roc_min_per_class: int = Field(0, ge=0)  # the release keeps >= 2 of each class
     drop_uniform_groups: bool = False  # drop groups whose rewards are all equal before RoC
     no_tool_p_err: float = 0.5  # p_err of a trajectory without tool calls
-    normalize_std: bool = True
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    loss_normalization: Literal["token", "sequence"] = "token"
+    advantage: str = "grpo"  # grpo (the paper: (r - mean) / std), dr_grpo (r - mean)
+    policy_loss: str = "grpo"  # grpo (token ratio, the paper), gspo (sequence ratio)
+    eps_low: float = Field(0.2, ge=0.0)
+    eps_high: float = Field(0.28, ge=0.0)
+    dual_clip: float | None = Field(
+        None, gt=1.0
+    )  # bound -rho*A of negative-advantage tokens (off: the paper)
+    loss_normalization: str = "token"  # token (the paper), sequence, constant (Dr.GRPO, / loss_constant)
+    loss_constant: int = Field(8192, ge=1)  # tokens per trajectory the "constant" normalization divides by
     kl_coef: float = 0.0  # no KL term by default (the paper)
     entropy_coef: float = 0.0  # no entropy bonus by default (it caused collapse)
     mini_batches: int = Field(1, ge=1)  # optimizer updates per RL step
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, v: str) -> str:
+        from tirl.rl.advantages import resolve_advantage
+
+        resolve_advantage(v)
+        return v
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, v: str) -> str:
+        from tirl.rl.losses import resolve_policy_loss
+
+        resolve_policy_loss(v)
+        return v
+
+    @field_validator("loss_normalization")
+    @classmethod
+    def _known_normalization(cls, v: str) -> str:
+        from tirl.rl.losses import resolve_aggregation
+
+        resolve_aggregation(v)
+        return v
 
     @property
     def rollouts_per_prompt(self) -> int:

@@ -1,6 +1,9 @@
-"""Per-step training metrics: what the rollouts did, what RoC kept, and where the time went.
+"""Per-step training metrics: what the rollouts did, what RoC kept, where the time went, what the
+scheduler and the reward pool did; and the alerts on them.
 
-Written as JSONL (one line per step), TensorBoard scalars, and W&B when enabled and installed.
+Written as JSONL (one line per step), TensorBoard scalars, and W&B when enabled and installed. A value
+that does not exist this step (a ratio over nothing) is None: null in the JSONL, absent from
+TensorBoard / W&B.
 """
 
 from __future__ import annotations
@@ -14,29 +17,34 @@ from pathlib import Path
 
 import numpy as np
 
+from tirl.agent.trajectory import tool_error_ratio
 from tirl.rl.config import LoggingConfig
 from tirl.rl.roc import is_positive, penalties
 
-INFRA_TOOL_STATUSES = {"sandbox_error"}
 
-
-def _mean(xs) -> float:
+def _mean(xs) -> float | None:
+    """Mean, or None (n/a) when there is nothing to average."""
     xs = list(xs)
-    return float(np.mean(xs)) if xs else 0.0
-
-
-def _tool_error_ratio(trajs) -> float:
-    calls = sum(t.num_tool_calls for t in trajs)
-    return sum(t.num_tool_errors for t in trajs) / calls if calls else 0.0
+    return float(np.mean(xs)) if xs else None
 
 
 def rollout_metrics(groups: Sequence[Sequence], kept: Sequence[Sequence[int]], no_tool_p_err: float) -> dict:
-    """Statistics of all rollouts of a step, and of what RoC kept vs dropped."""
+    """Statistics of ALL rollouts of a step (those an infrastructure error ended included, so the
+    sandbox alert can see them), and of what RoC kept vs dropped among the scored ones.
+
+    A ratio with nothing to count is None (n/a): logged as null in metrics.jsonl, left out of
+    TensorBoard / W&B, never a made-up 0.
+    """
     every = [t for g in groups for t in g]
     kept_t = [g[i] for g, k in zip(groups, kept, strict=True) for i in k]
-    dropped = [t for g, k in zip(groups, kept, strict=True) for i, t in enumerate(g) if i not in set(k)]
+    dropped = [
+        t for g, k in zip(groups, kept, strict=True) for i, t in enumerate(g)
+        if i not in set(k) and t.finish_reason != "error"
+    ]  # fmt: skip
     correct = [t for t in every if is_positive(t)]
     calls = [c for t in every for c in t.tool_calls]
+    wait = sum(t.tool_wait_seconds for t in every)
+    busy = wait + sum(t.gen_seconds for t in every)
     m = {
         "reward/mean": _mean(t.reward for t in every),
         "reward/kept_mean": _mean(t.reward for t in kept_t),
@@ -45,24 +53,26 @@ def rollout_metrics(groups: Sequence[Sequence], kept: Sequence[Sequence[int]], n
         "response/length_mean": _mean(t.response_length for t in every),
         "response/length_max": max((t.response_length for t in every), default=0),
         "response/turns_mean": _mean(t.turns for t in every),
+        "rollout/errors": sum(t.finish_reason == "error" for t in every),
         "tools/calls": len(calls),
         "tools/calls_per_traj": _mean(t.num_tool_calls for t in every),
-        "tools/error_ratio": _tool_error_ratio(every),
+        "tools/error_ratio": tool_error_ratio(every),
         # The paper's Figure 4 quantity: errored calls among the calls of CORRECT trajectories.
-        "tools/error_ratio_in_correct": _tool_error_ratio(correct),
-        "tools/sandbox_failure_ratio": (
-            sum(c.status in INFRA_TOOL_STATUSES for c in calls) / len(calls) if calls else 0.0
-        ),
+        "tools/error_ratio_in_correct": tool_error_ratio(correct),
+        "tools/sandbox_failure_ratio": sum(c.infra_failed for c in calls) / len(calls) if calls else None,
         "tools/wait_s_mean": _mean(t.tool_wait_seconds for t in every),
         # Share of trajectory time spent waiting for tool results (async: other trajectories go on).
-        "time/tool_wait_share": sum(t.tool_wait_seconds for t in every)
-        / max(sum(t.tool_wait_seconds + t.gen_seconds for t in every), 1e-9),
+        "time/tool_wait_share": wait / busy if busy > 0 else None,
         "roc/groups": len(groups),
         "roc/groups_kept": sum(bool(k) for k in kept),
         "roc/groups_dropped": sum(not k for k in kept),
         "roc/kept": len(kept_t),
         "roc/dropped": len(dropped),
     }
+    for name in sorted({c.tool for c in calls if c.tool}):
+        mine = [c for c in calls if c.tool == name]
+        m[f"tools/{name}/calls"] = len(mine)
+        m[f"tools/{name}/error_ratio"] = sum(c.errored for c in mine) / len(mine)
     for name, trajs in (("kept", kept_t), ("dropped", dropped)):
         pos = [penalties(t, no_tool_p_err) for t in trajs if is_positive(t)]
         m[f"roc/p_err_{name}_pos"] = _mean(p.p_err for p in pos)
@@ -70,6 +80,32 @@ def rollout_metrics(groups: Sequence[Sequence], kept: Sequence[Sequence[int]], n
     for reason, n in Counter(t.finish_reason for t in every).items():
         m[f"finish/{reason}"] = n / len(every)
     return m
+
+
+def scheduler_metrics(pool) -> dict:
+    """The rollout scheduler's measurement window (one step's rollouts) as flat scalars, per engine;
+    {} for a pool without metrics (one engine)."""
+    if not hasattr(pool, "metrics"):
+        return {}
+    s = pool.metrics()
+    m = {"sched/makespan_s": s["makespan_s"], "sched/preemptions": s["preemptions"]}
+    for e in s["engines"]:
+        for key in ("busy_s", "idle_s", "leases", "peak_in_flight", "kv_usage", "preemptions"):
+            m[f"sched/{e['engine']}/{key}"] = e[key]
+    return m
+
+
+def reward_metrics(before: dict, after: dict) -> dict:
+    """What the reward pool did during one step: counts and verification latency (RewardStats deltas)."""
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    return {
+        "reward_pool/responses": d["responses"],
+        "reward_pool/verified": d["verified"],
+        "reward_pool/timeouts": d["timeouts"],
+        "reward_pool/errors": d["errors"],
+        "reward_pool/killed": d["killed"],
+        "reward_pool/verify_s_mean": d["verify_s"] / d["verified"] if d["verified"] else None,
+    }
 
 
 class Timer:
@@ -91,24 +127,37 @@ class Timer:
 
 
 class AlertMonitor:
-    """Flags a step whose tool error ratio or sandbox failure ratio spikes."""
+    """Flags a step whose tool error ratio or sandbox failure ratio spikes.
+
+    A step with fewer than `alert_min_calls` tool calls raises no alert and does not enter the
+    running mean (the ratio of a few calls is noise); the spike test needs a running mean of at least
+    `_MIN_HISTORY` such steps.
+    """
+
+    _MIN_HISTORY = 3
 
     def __init__(self, cfg: LoggingConfig):
         self.cfg = cfg
         self.history: list[float] = []
 
     def check(self, m: dict) -> list[str]:
+        if m.get("tools/calls", 0) < self.cfg.alert_min_calls:
+            return []
         alerts = []
-        err = m.get("tools/error_ratio", 0.0)
-        mean = _mean(self.history[-20:])
-        if err > self.cfg.alert_tool_error_rate or (mean > 0 and err > self.cfg.alert_spike_factor * mean):
-            alerts.append(f"tool error ratio {err:.1%} (running mean {mean:.1%})")
-        infra = m.get("tools/sandbox_failure_ratio", 0.0)
-        if infra > self.cfg.alert_sandbox_failure_rate:
+        err = m.get("tools/error_ratio")
+        if err is not None:
+            recent = self.history[-20:]
+            mean = float(np.mean(recent)) if len(recent) >= self._MIN_HISTORY else None
+            spike = mean is not None and mean > 0 and err > self.cfg.alert_spike_factor * mean
+            if err > self.cfg.alert_tool_error_rate or spike:
+                since = f" (running mean {mean:.1%})" if mean is not None else ""
+                alerts.append(f"tool error ratio {err:.1%}{since}")
+            self.history.append(err)
+        infra = m.get("tools/sandbox_failure_ratio")
+        if infra is not None and infra > self.cfg.alert_sandbox_failure_rate:
             alerts.append(
                 f"sandbox failure ratio {infra:.1%}: check the sandbox service (tirl sandbox serve)"
             )
-        self.history.append(err)
         return alerts
 
 

@@ -23,7 +23,7 @@ from tirl.rl.distributed import (
     load_full_optimizer_state,
     shard_model,
 )
-from tirl.rl.grpo import entropy_from_logits
+from tirl.rl.losses import PolicyInputs, entropy_from_logits
 
 
 @dataclass
@@ -64,6 +64,10 @@ class MicroBatch:
 
     def advantages(self) -> torch.Tensor:
         return torch.tensor([s.advantage for s in self.samples], device=self.logprobs.device)
+
+    def policy_inputs(self) -> PolicyInputs:
+        """What a policy loss reads (tirl.rl.losses): log-probs now and at sampling, advantages, mask."""
+        return PolicyInputs(self.logprobs, self.stack("old_logprobs"), self.advantages(), self.mask)
 
 
 def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:

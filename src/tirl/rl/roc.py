@@ -9,6 +9,15 @@ sampling WITHOUT replacement with probability proportional to 1/p_total, where
 
 so correct trajectories with clean tool use and a single answer are the ones trained on.
 
+A perfect positive (p_total = 0: tool calls without an error, exactly one answer; the most common
+good trajectory) has weight 1/0 = infinity. mode "sample" takes that limit literally: perfect
+positives fill the positive slots first, uniformly among themselves, and only the slots left are
+drawn from the imperfect ones by 1/p_total. mode "sample_finite" (tirl's earlier reading) gives a
+perfect positive a large but finite weight (its p_total counts as min(perfect_p, half the smallest
+non-zero p_total of its group)), so an imperfect positive is still drawn over a perfect one now and
+then (~5% of draws when perfect ones are plentiful). The paper does not say which it means; its
+release replaces the sampling with a deterministic top-k ("topk" here).
+
 How the G slots split (the paper keeps floor(n_neg/2) negatives and "half" the positives of 2G):
 negatives get floor(n_neg * keep / n) slots and positives take the rest, i.e. ceil(n_pos/2) for
 n = 2G. When the two halves are odd, the extra slot therefore goes to the positives: the filtered
@@ -25,7 +34,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-RocMode = Literal["sample", "topk", "off"]
+RocMode = Literal["sample", "sample_finite", "topk", "off"]
 
 
 class RocMember(Protocol):
@@ -105,7 +114,8 @@ def resample_on_correct(
 ) -> list[int]:
     """Indices (ascending) of the members of `group` to train on.
 
-    mode: "sample" = the paper (1/p_total sampling of positives); "topk" = the release's deterministic
+    mode: "sample" = the paper (1/p_total sampling of positives, perfect ones first: see the module doc);
+    "sample_finite" = the same with a finite weight for perfect ones; "topk" = the release's deterministic
     variant (the `k` positives with the lowest p_total, ties by position); "off" = plain GRPO (the first
     `keep` members). drop_uniform: return [] for a group whose rewards are all equal (no signal).
     """
@@ -127,10 +137,23 @@ def resample_on_correct(
         order = sorted(range(len(pos)), key=lambda j: (p_totals[j], j))
         kept_pos = [pos[j] for j in order[:k_pos]]
     elif mode == "sample":
+        kept_pos = _perfect_first(pos, p_totals, k_pos, rng)
+    elif mode == "sample_finite":
         kept_pos = _sample_without_replacement(pos, positive_weights(p_totals, perfect_p), k_pos, rng)
     else:
-        raise ValueError(f"unknown RoC mode {mode!r}: use sample, topk or off")
+        raise ValueError(f"unknown RoC mode {mode!r}: use sample, sample_finite, topk or off")
     return sorted(int(i) for i in kept_pos + kept_neg)
+
+
+def _perfect_first(pos: list[int], p_totals: list[float], k: int, rng) -> list[int]:
+    """The limit of 1/p_total sampling: perfect members (p_total = 0) first, uniformly; the slots left
+    by 1/p_total among the others."""
+    perfect = [i for i, p in zip(pos, p_totals, strict=True) if p == 0]
+    if len(perfect) >= k:
+        return rng.choice(perfect, size=k, replace=False).tolist() if k else []
+    rest = [(i, p) for i, p in zip(pos, p_totals, strict=True) if p > 0]
+    weights = np.array([1.0 / p for _, p in rest])
+    return perfect + _sample_without_replacement([i for i, _ in rest], weights, k - len(perfect), rng)
 
 
 def _sample_without_replacement(items: list[int], weights: np.ndarray, k: int, rng) -> list[int]:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def derive_seed(*parts: int) -> int:
-    """A 31-bit seed determined by (seed, step, ...) alone: a resumed run draws the same numbers."""
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] >> 1)
+from tirl.seeds import derive_seed  # noqa: F401  (kept importable from here for older callers)
 
 
 class EpochSampler:

@@ -23,7 +23,7 @@ from tirl.data.loaders import DataError, read_jsonl
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
 from tirl.rl.config import SFTConfig
 from tirl.rl.distributed import all_reduce, init_distributed, shutdown_distributed
-from tirl.rl.grpo import masked_sum
+from tirl.rl.losses import BatchCounts, token_mean
 from tirl.rl.metrics import MetricsLogger
 from tirl.rl.policy import Policy, TrainSample
 
@@ -151,7 +151,8 @@ def run_sft(cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path
             batch = [samples[i] for i in order[k * cfg.batch_size : (k + 1) * cfg.batch_size]]
             mine = batch[info.rank :: info.world_size]
             (tokens,) = all_reduce([sum(s.num_trained for s in mine)], info)
-            loss = policy.accumulate(mine, lambda mb, d=tokens: masked_sum(-mb.logprobs, mb.mask, "token", d))
+            counts = BatchCounts(max(tokens, 1.0), len(batch))
+            loss = policy.accumulate(mine, lambda mb, c=counts: token_mean(-mb.logprobs, mb.mask, c))
             (loss,) = all_reduce([loss], info)
             lr = policy.lr
             grad_norm = policy.step()

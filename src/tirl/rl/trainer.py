@@ -23,7 +23,8 @@ import torch
 
 from tirl.config import ConfigError
 from tirl.eval.commands import check_context
-from tirl.rl import grpo, trajectory_sample
+from tirl.rl import trajectory_sample
+from tirl.rl.advantages import resolve_advantage
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
 from tirl.rl.config import AlgorithmConfig, StageConfig, TrainConfig
 from tirl.rl.distributed import (
@@ -34,11 +35,13 @@ from tirl.rl.distributed import (
     shutdown_distributed,
 )
 from tirl.rl.learner import Learner, LocalLearner
-from tirl.rl.metrics import AlertMonitor, MetricsLogger, Timer, rollout_metrics
+from tirl.rl.losses import BatchCounts, Diagnostics, Objective
+from tirl.rl.metrics import AlertMonitor, MetricsLogger, Timer, reward_metrics, rollout_metrics
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.roc import resample_on_correct
-from tirl.rl.sampler import EpochSampler, derive_seed
+from tirl.rl.sampler import EpochSampler
 from tirl.runtime import Runtime, generate, open_runtime, score
+from tirl.seeds import derive_seed
 
 FAULT_ENV = "TIRL_FAULT"
 
@@ -80,14 +83,26 @@ async def open_main_runtime(
         yield runtime
 
 
-def build_samples(groups, kept: list[list[int]], normalize_std: bool) -> list[TrainSample]:
-    """One sample per kept trajectory, with its group-relative advantage on every trained token."""
+def roc_select(group: list, alg: AlgorithmConfig, seed: int) -> list[int]:
+    """RoC's kept indices into `group`. A trajectory an infrastructure error ended says nothing about
+    the policy: it is never a candidate (but still counted by the metrics)."""
+    candidates = [i for i, t in enumerate(group) if t.finish_reason != "error"]
+    chosen = resample_on_correct(
+        [group[i] for i in candidates], alg.group_size, np.random.default_rng(seed), mode=alg.roc,
+        min_per_class=alg.roc_min_per_class, drop_uniform=alg.drop_uniform_groups,
+        no_tool_p_err=alg.no_tool_p_err,
+    )  # fmt: skip
+    return [candidates[j] for j in chosen]
+
+
+def build_samples(groups, kept: list[list[int]], advantage: str = "grpo") -> list[TrainSample]:
+    """One sample per kept trajectory, with its group-relative advantage (the named estimator of
+    tirl.rl.advantages) on every trained token."""
+    estimate = resolve_advantage(advantage)
     samples = []
     for group, idx in zip(groups, kept, strict=True):
         members = [group[i] for i in idx]
-        for t, adv in zip(
-            members, grpo.group_advantages([t.reward for t in members], normalize_std), strict=True
-        ):
+        for t, adv in zip(members, estimate([t.reward for t in members]), strict=True):
             if sum(t.loss_mask) == 0:  # nothing generated (e.g. an engine error): nothing to train
                 continue
             mask = [0] * (len(t.prompt_ids) - 1) + list(t.loss_mask)
@@ -116,84 +131,55 @@ def engine_gap(sample: TrainSample) -> float:
 
 
 def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig) -> dict:
-    """Recompute old log-probs, then one optimizer update per mini-batch with the clipped loss.
+    """Recompute old log-probs, then one optimizer update per mini-batch on the configured objective
+    (tirl.rl.losses.Objective: policy loss, aggregation, KL, entropy), with its diagnostics.
 
     `samples` is the whole step's batch (the same on every rank); each rank trains on its share of
     every mini-batch, so the split into mini-batches does not depend on the number of ranks.
     """
     info = policy.info
+    objective = Objective.from_config(alg)
     n_mini = alg.mini_batches
     minis = [shard_samples(samples[m::n_mini], info) for m in range(n_mini)]
     mine = [s for part in minis for s in part]
     policy.compute_logprobs(mine, "old_logprobs")
-    gap_sum = sum(engine_gap(s) for s in mine)
-    if alg.kl_coef:
+    if objective.needs_reference:
         policy.compute_logprobs(mine, "ref_logprobs", reference=True)
-    stats = {
-        "loss": 0.0,
-        "clip_low": 0.0,
-        "clip_high": 0.0,
-        "entropy_sum": 0.0,
-        "kl_sum": 0.0,
-        "grad_norm": [],
-    }
+    diag = Diagnostics()
+    loss_sum, grad_norms = 0.0, []
     for part in minis:
         tokens, seqs = all_reduce([sum(s.num_trained for s in part), len(part)], info)
-        denom = max(tokens, 1.0) if alg.loss_normalization == "token" else max(seqs, 1.0)
+        counts = BatchCounts(max(tokens, 1.0), max(seqs, 1.0), alg.loss_constant)
 
-        def loss_fn(mb, denom=denom):
-            old, adv = mb.stack("old_logprobs"), mb.advantages()
-            loss = grpo.policy_loss(
-                mb.logprobs, old, adv, mb.mask, alg.eps_low, alg.eps_high,
-                normalization=alg.loss_normalization, denominator=denom,
-            )  # fmt: skip
-            low, high = grpo.clip_counts(mb.logprobs, old, adv, mb.mask, alg.eps_low, alg.eps_high)
-            stats["clip_low"] += low
-            stats["clip_high"] += high
-            stats["entropy_sum"] += float((mb.entropy.detach() * mb.mask).sum())
-            if alg.kl_coef:
-                kl = grpo.kl_k3(mb.logprobs, mb.stack("ref_logprobs"))
-                stats["kl_sum"] += float((kl.detach() * mb.mask).sum())
-                loss = loss + alg.kl_coef * grpo.masked_sum(kl, mb.mask, alg.loss_normalization, denom)
-            if alg.entropy_coef:
-                loss = loss - alg.entropy_coef * grpo.masked_sum(
-                    mb.entropy, mb.mask, alg.loss_normalization, denom
-                )
+        def loss_fn(mb, counts=counts):
+            ref = mb.stack("ref_logprobs") if objective.needs_reference else None
+            loss, d = objective(mb.policy_inputs(), counts, entropy=mb.entropy, ref_logprobs=ref)
+            diag.add(d)
             return loss
 
-        stats["loss"] += policy.accumulate(part, loss_fn, with_entropy=True)
-        stats["grad_norm"].append(policy.step())
+        loss_sum += policy.accumulate(part, loss_fn, with_entropy=True)
+        grad_norms.append(policy.step())
+    keys = sorted(diag.sums)
     trained = sum(s.num_trained for s in mine)
-    loss, low, high, ent, kl, trained, gap_sum = all_reduce(
-        [
-            stats["loss"],
-            stats["clip_low"],
-            stats["clip_high"],
-            stats["entropy_sum"],
-            stats["kl_sum"],
-            trained,
-            gap_sum,
-        ],
-        info,
+    gap = sum(engine_gap(s) for s in mine)
+    reduced = all_reduce([loss_sum, trained, gap, *(diag.sums[k] for k in keys)], info)
+    loss_sum, trained, gap = reduced[:3]
+    diag.sums = dict(zip(keys, reduced[3:], strict=True))
+    max_keys = sorted(diag.maxes)
+    diag.maxes = dict(
+        zip(max_keys, all_reduce([diag.maxes[k] for k in max_keys], info, op="max"), strict=True)
     )
     per_token = max(trained, 1.0)  # mini-batches partition the samples: each token is trained once
-    out = {
-        "train/loss": loss / n_mini,
-        "train/clip_frac_low": low / per_token,
-        "train/clip_frac_high": high / per_token,
-        "train/clip_frac": (low + high) / per_token,
-        "train/entropy": ent / per_token,
-        "train/grad_norm": float(np.mean(stats["grad_norm"])),
+    return diag.per_token(trained) | {
+        "train/loss": loss_sum / n_mini,
+        "train/grad_norm": float(np.mean(grad_norms)),
         "train/trained_tokens": int(trained),
         "train/sequences": len(samples),
         # Mean |engine - trainer| log-prob of the sampled tokens: ~0 when weight sync works (numeric noise
         # only); a gap that grows over steps means the engines sample from stale weights. The engine
         # reports log-probs at the sampling temperature, so the gap is only ~0 at temperature 1.
-        "train/engine_logprob_gap": gap_sum / per_token,
+        "train/engine_logprob_gap": gap / per_token,
     }
-    if alg.kl_coef:
-        out["train/kl"] = kl / per_token
-    return out
 
 
 @dataclass
@@ -246,35 +232,28 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
         batch = [problems[i] for i in sampler.next(alg.prompts_per_step)]
         metrics["batch"] = [p.id for p in batch]
         # 2. 2G rollouts per prompt on the engine pool, tool calls in the sandbox as each turn ends
+        rt = run.runtime
+        reward_before = rt.scorer.stats.as_dict()
         with timer("rollout"):
             groups = await generate(
-                run.runtime, batch, alg.rollouts_per_prompt, stage_agent_config(cfg, stage),
+                rt, batch, alg.rollouts_per_prompt, stage_agent_config(cfg, stage),
                 seed=derive_seed(cfg.seed, step), concurrency=cfg.rollout_concurrency,
                 on_done=lambda _: fault_point("rollout", step + 1),
             )  # fmt: skip
-        metrics |= run.runtime.engine_metrics()
+        metrics |= rt.engine_metrics()  # the scheduler's per-engine window of this step
         # 3. binary answer-only rewards (math-verify in worker processes)
         with timer("reward"):
-            await score(run.runtime, groups, batch)
-        # A trajectory an infrastructure error ended says nothing about the policy: leave it out.
-        metrics["rollout/errors"] = sum(t.finish_reason == "error" for g in groups for t in g)
-        groups = [[t for t in g if t.finish_reason != "error"] for g in groups]
-        # 4. Resample-on-Correct: keep G of 2G per group
-        kept = [
-            resample_on_correct(
-                g, alg.group_size, np.random.default_rng(derive_seed(cfg.seed, step, i)), mode=alg.roc,
-                min_per_class=alg.roc_min_per_class, drop_uniform=alg.drop_uniform_groups,
-                no_tool_p_err=alg.no_tool_p_err,
-            )
-            for i, g in enumerate(groups)
-        ]  # fmt: skip
+            await score(rt, groups, batch)
+        metrics |= reward_metrics(reward_before, rt.scorer.stats.as_dict())
+        # 4. Resample-on-Correct: keep G of 2G per group (of the trajectories no infrastructure error ended)
+        kept = [roc_select(g, alg, derive_seed(cfg.seed, step, i)) for i, g in enumerate(groups)]
         # 5. group-relative advantages on the kept members
-        samples = build_samples(groups, kept, alg.normalize_std)
-        metrics |= rollout_metrics(groups, kept, alg.no_tool_p_err)
+        samples = build_samples(groups, kept, alg.advantage)
+        metrics |= rollout_metrics(groups, kept, alg.no_tool_p_err)  # on ALL trajectories
         if cfg.logging.trajectories_per_step:  # a bounded sample, with RoC's view of it, for `tirl view`
             trajectory_sample.append(cfg.run_dir, trajectory_sample.step_sample(
                 step + 1, run.state.stage, batch, groups, kept, cfg.logging.trajectories_per_step,
-                cfg.seed, alg.normalize_std, alg.no_tool_p_err,
+                cfg.seed, alg.advantage, alg.no_tool_p_err,
             ))  # fmt: skip
         generated = sum(sum(t.loss_mask) for g in groups for t in g)
         metrics["perf/rollout_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
@@ -396,8 +375,12 @@ def _report(run: Run, stage: StageConfig, metrics: dict, console) -> None:
         metrics.setdefault("alerts", []).append(alert)
     run.logger.log(st.step, metrics)
     console.print(
-        f"step {st.step} ({stage.name} {st.stage_step}/{stage.steps}) reward {metrics['reward/mean']:.3f} "
-        f"len {metrics['response/length_mean']:.0f} tools {metrics['tools/calls_per_traj']:.2f} "
-        f"err {metrics['tools/error_ratio']:.1%} loss {metrics['train/loss']:+.4f} {metrics['time/step_s']:.1f}s",
+        f"step {st.step} ({stage.name} {st.stage_step}/{stage.steps}) reward {_fmt(metrics['reward/mean'], '.3f')} "
+        f"len {_fmt(metrics['response/length_mean'], '.0f')} tools {_fmt(metrics['tools/calls_per_traj'], '.2f')} "
+        f"err {_fmt(metrics['tools/error_ratio'], '.1%')} loss {metrics['train/loss']:+.4f} {metrics['time/step_s']:.1f}s",
         markup=False,
     )
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)

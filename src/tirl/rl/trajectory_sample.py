@@ -16,9 +16,9 @@ import numpy as np
 
 from tirl.agent.trajectory import Trajectory, turn_token_counts
 from tirl.reward import extract_answer
-from tirl.rl.grpo import group_advantages
+from tirl.rl.advantages import resolve_advantage
 from tirl.rl.roc import is_positive, penalties
-from tirl.rl.sampler import derive_seed
+from tirl.seeds import derive_seed
 
 FILE = "trajectories.jsonl"
 _STREAM = 0x7472616A  # keeps this sample's random numbers apart from every other use of (seed, step)
@@ -40,7 +40,7 @@ def step_sample(
     kept: Sequence[Sequence[int]],
     k: int,
     seed: int,
-    normalize_std: bool,
+    advantage: str,
     no_tool_p_err: float,
 ) -> list[dict]:
     """Records of up to k of this step's trajectories (`groups[i]` are the rollouts of `problems[i]`)."""
@@ -51,7 +51,7 @@ def step_sample(
     for i, j in (members[n] for n in chosen):
         t, group = groups[i][j], groups[i]
         advantages = dict(
-            zip(kept[i], group_advantages([group[m].reward for m in kept[i]], normalize_std), strict=True)
+            zip(kept[i], resolve_advantage(advantage)([group[m].reward for m in kept[i]]), strict=True)
         )
         p = penalties(t, no_tool_p_err)
         roc = {

@@ -76,11 +76,15 @@ class Runtime:
                 engine.wake_up()
 
     def engine_metrics(self) -> dict[str, Any]:
-        """Trajectories each engine took since the last call (scheduler leases), infrastructure counters."""
+        """The scheduler's window since the last call, per engine (trajectories leased, busy and idle time,
+        peak in flight, KV usage, preemptions), and the infrastructure counters."""
         out: dict[str, Any] = {f"infra/{k}": v for k, v in self.counters.items()}
         if isinstance(self.pool, RolloutScheduler):
-            for e in self.pool.metrics()["engines"]:
-                out[f"rollout/leases/{e['engine']}"] = e["leases"]
+            m = self.pool.metrics()
+            out["rollout/makespan_s"], out["rollout/preemptions"] = m["makespan_s"], m["preemptions"]
+            for e in m["engines"]:
+                for key in ("leases", "busy_s", "idle_s", "peak_in_flight", "kv_usage", "preemptions"):
+                    out[f"rollout/{key}/{e['engine']}"] = e[key]
             self.pool.reset_metrics()
         return out
 

@@ -10,16 +10,25 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "ExecResult": "result", "Status": "result", "Limits": "limits", "Sandbox": "pool",
+    "ExecResult": "result", "Executor": "result", "Status": "result", "Limits": "limits", "Sandbox": "pool",
     "SandboxClient": "client", "SandboxConfig": "service", "open_executor": "service",
 }  # fmt: skip
-__all__ = ["ExecResult", "Limits", "Sandbox", "SandboxClient", "SandboxConfig", "Status", "open_executor"]
+__all__ = [
+    "ExecResult",
+    "Executor",
+    "Limits",
+    "Sandbox",
+    "SandboxClient",
+    "SandboxConfig",
+    "Status",
+    "open_executor",
+]
 
 if TYPE_CHECKING:
     from tirl.sandbox.client import SandboxClient
     from tirl.sandbox.limits import Limits
     from tirl.sandbox.pool import Sandbox
-    from tirl.sandbox.result import ExecResult, Status
+    from tirl.sandbox.result import ExecResult, Executor, Status
     from tirl.sandbox.service import SandboxConfig, open_executor
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 
 class Status(StrEnum):
@@ -128,3 +129,9 @@ def human_bytes(n: float) -> str:
 
 def _duration(ms: float) -> str:
     return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.2f} s"
+
+
+class Executor(Protocol):
+    """What runs code: Sandbox (in-process pool), SandboxClient (HTTP), or anything alike."""
+
+    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult: ...

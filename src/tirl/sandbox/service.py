@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Literal, Protocol
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,11 +28,7 @@ from tirl import lifetime
 from tirl.sandbox.client import SandboxClient
 from tirl.sandbox.limits import DEFAULT_LIMITS, Limits, MiB
 from tirl.sandbox.pool import Sandbox
-from tirl.sandbox.result import ExecResult
-
-
-class Executor(Protocol):
-    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult: ...
+from tirl.sandbox.result import Executor
 
 
 class SandboxConfig(BaseModel):

@@ -1,0 +1,47 @@
+"""A small user tool for the tests, loaded by its dotted path `tests.agent.lookup_tool:Lookup`."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from tirl.agent.tools import Tool, ToolResult
+
+TABLE = {"six_times_seven": "42"}
+
+
+class Lookup(Tool):
+    name = "lookup"
+    description = "Look a name up in a table."
+    parameters: ClassVar[dict] = {
+        "type": "object",
+        "properties": {"key": {"type": "string"}},
+        "required": ["key"],
+    }
+    closed: ClassVar[list[Lookup]] = []  # instances whose close() ran (the lifecycle test reads it)
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.calls = 0  # per-trajectory state
+
+    async def call(self, arguments: dict) -> ToolResult:
+        self.calls += 1
+        key = arguments["key"]
+        if key not in TABLE:
+            return ToolResult(f"no entry {key!r}", status="runtime_error")
+        return ToolResult(TABLE[key])
+
+    async def close(self) -> None:
+        Lookup.closed.append(self)
+
+
+class NotATool:
+    name = "not_a_tool"
+
+
+class BadSchema(Lookup):
+    name = "bad_schema"
+    parameters: ClassVar[dict] = {"type": "object", "properties": {"key": {"type": "text"}}}
+
+
+class Unnamed(Lookup):
+    name = ""
