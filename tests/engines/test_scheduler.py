@@ -166,6 +166,17 @@ async def test_dynamic_scheduler_respects_kv_and_keeps_groups_together(hf_engine
     assert sum(e["leases"] for e in m["engines"]) == 8 and min(e["leases"] for e in m["engines"]) >= 2
     for e in m["engines"]:
         assert 0 < e["busy_s"] <= m["makespan_s"] + 1e-6 and e["kv_budget_tokens"] == 512
+    # what the trainer logs every step (Runtime.engine_metrics): the same numbers, flat, per engine
+    from tirl.runtime import Runtime
+
+    rt = Runtime(hf_engines, pool, executor=None, scorer=None, tokenizer=None)
+    flat = rt.engine_metrics()
+    assert (flat["rollout/leases/hf0"], flat["rollout/leases/hf1"], flat["rollout/preemptions"]) == (4, 4, 0)
+    assert (
+        flat["rollout/busy_s/hf0"] == m["engines"][0]["busy_s"]
+        and flat["rollout/makespan_s"] == m["makespan_s"]
+    )
+    assert rt.engine_metrics()["rollout/leases/hf0"] == 0  # the next step's window starts empty
 
 
 async def test_static_scheduler_overcommits_whole_groups_round_robin(hf_engines):

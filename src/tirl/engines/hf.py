@@ -20,30 +20,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tirl.devices import resolve_device, resolve_dtype
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class EngineClosedError(RuntimeError):
     """generate() on an engine that was closed (or closed while the request was in flight)."""
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 @dataclass

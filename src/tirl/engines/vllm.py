@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tirl.devices import resolve_dtype
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig
 
@@ -110,10 +111,10 @@ def _visible_gpu(device: str) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def _resolve_dtype(cfg: EngineConfig, on_cpu: bool) -> str:
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    return "float32" if on_cpu else "bfloat16"
+def _dtype_name(cfg: EngineConfig, on_cpu: bool) -> str:
+    """tirl's dtype resolution, spelled as vLLM takes it ("bfloat16", "float32")."""
+    dtype = resolve_dtype(cfg.dtype, torch.device("cpu" if on_cpu else "cuda"))
+    return str(dtype).removeprefix("torch.")
 
 
 class VLLMEngine:
@@ -176,7 +177,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         args = AsyncEngineArgs(
             model=cfg.model,
-            dtype=_resolve_dtype(cfg, self.on_cpu),
+            dtype=_dtype_name(cfg, self.on_cpu),
             max_model_len=cfg.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_sleep_mode=sleep,

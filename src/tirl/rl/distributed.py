@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tirl.devices import resolve_device
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -28,12 +30,6 @@ class DistInfo:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
-
-
-def resolve_device(pref: str) -> torch.device:
-    if pref == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(pref)
 
 
 def init_distributed(device_pref: str = "auto") -> DistInfo:

@@ -1,5 +1,6 @@
 """Per-step training metrics: what the rollouts did, what RoC kept, where the time went, what the
-scheduler and the reward pool did; and the alerts on them.
+reward pool did (the scheduler's per-engine window: tirl.runtime.Runtime.rollout_metrics); and the
+alerts on them.
 
 Written as JSONL (one line per step), TensorBoard scalars, and W&B when enabled and installed. A value
 that does not exist this step (a ratio over nothing) is None: null in the JSONL, absent from
@@ -79,19 +80,6 @@ def rollout_metrics(groups: Sequence[Sequence], kept: Sequence[Sequence[int]], n
         m[f"roc/p_format_{name}_pos"] = _mean(p.p_format for p in pos)
     for reason, n in Counter(t.finish_reason for t in every).items():
         m[f"finish/{reason}"] = n / len(every)
-    return m
-
-
-def scheduler_metrics(pool) -> dict:
-    """The rollout scheduler's measurement window (one step's rollouts) as flat scalars, per engine;
-    {} for a pool without metrics (one engine)."""
-    if not hasattr(pool, "metrics"):
-        return {}
-    s = pool.metrics()
-    m = {"sched/makespan_s": s["makespan_s"], "sched/preemptions": s["preemptions"]}
-    for e in s["engines"]:
-        for key in ("busy_s", "idle_s", "leases", "peak_in_flight", "kv_usage", "preemptions"):
-            m[f"sched/{e['engine']}/{key}"] = e[key]
     return m
 
 

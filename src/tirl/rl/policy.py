@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tirl.devices import resolve_dtype
 from tirl.rl.checkpoint import save_checkpoint, set_rng_states
 from tirl.rl.config import OptimConfig
 from tirl.rl.distributed import (
@@ -124,7 +125,7 @@ class Policy:
 
         self.info, self.optim_cfg = info, optim
         self.device = info.device
-        self.bf16 = optim.dtype == "bfloat16" or (optim.dtype == "auto" and self.device.type == "cuda")
+        self.bf16 = resolve_dtype(optim.dtype, self.device) == torch.bfloat16
         try:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         except OSError as e:

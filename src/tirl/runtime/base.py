@@ -21,7 +21,7 @@ import torch
 
 from tirl.engines.base import Engine, EnginePool
 from tirl.engines.scheduler import RolloutScheduler
-from tirl.sandbox.service import Executor
+from tirl.sandbox.result import Executor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

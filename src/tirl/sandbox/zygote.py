@@ -41,8 +41,6 @@ PRELOAD = ("numpy", "sympy", "scipy", "scipy.optimize", "scipy.special", "scipy.
            "decimal", "itertools", "functools", "collections", "math", "cmath", "statistics", "random",
            "re", "heapq", "bisect", "string", "json", "traceback", "linecache", "tokenize", "ast",
            "warnings", "numbers", "datetime")  # fmt: skip
-# What a light zygote loads (see imports.py): the standard-library part of PRELOAD.
-LIGHT_PRELOAD = tuple(m for m in PRELOAD if m.split(".")[0] in sys.stdlib_module_names)
 WARMUP = (
     "import numpy as np\nnp.linalg.solve(np.eye(3), np.ones(3)).sum()",
     "import sympy as sp\nt = sp.Symbol('t')\nsp.simplify(sp.sin(t)**2 + sp.cos(t)**2), sp.solve(t**2 - 4, t)",
