@@ -381,7 +381,7 @@ def _training_numbers(metrics: list[dict], window: int = 5) -> dict:
     """Means over the first and last `window` steps of the quantities the plots show."""
 
     def mean(rows, key):
-        vals = [r[key] for r in rows if key in r]
+        vals = [r[key] for r in rows if r.get(key) is not None]  # None: n/a that step
         return round(sum(vals) / len(vals), 4) if vals else None
 
     first, last = metrics[:window], metrics[-window:]

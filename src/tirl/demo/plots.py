@@ -53,7 +53,7 @@ def plot_curve(
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for i, (name, rows) in enumerate(runs.items()):
-        points = [(r["step"], scale * r[key]) for r in rows if key in r]
+        points = [(r["step"], scale * r[key]) for r in rows if r.get(key) is not None]  # None: n/a
         if not points:
             continue
         steps, values = zip(*points, strict=True)
