@@ -38,8 +38,14 @@ CFG = AgentConfig(
 CFG_TWO_TOOLS = CFG.model_copy(
     update={
         "tools": ["execute_python_code_with_standard_io", "tests.agent.lookup_tool:Lookup"],
+        # the Python tool shown as "py" with only `code`: short prompts teach fast
+        "tool_schema": {
+            "name": "py",
+            "parameters": {"properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
         "max_calls_per_turn": 2,
         "stop_at_tool_call": False,  # both calls of a turn run (concurrently) when the turn ends
+        "tool_output_max_chars": 64,  # the traceback's head and tail: short enough to teach quickly
     }
 )
 SLOW_S = 3.0  # the "mul" tool call sleeps this long
@@ -68,8 +74,14 @@ SCRIPTS = {
     "two": Script(
         Problem("two", "6*7 by two tools?", "42"),
         [
-            " " + call("print(6/0)") + tool_call("lookup", {"key": "6*7"}) + "<|im_end|>",
-            " " + call("print(6*7)") + tool_call("lookup", {"key": "six_times_seven"}) + "<|im_end|>",
+            " "
+            + tool_call("py", {"code": "print(6/0)"})
+            + tool_call("lookup", {"key": "6*7"})
+            + "<|im_end|>",
+            " "
+            + tool_call("py", {"code": "print(6*7)"})
+            + tool_call("lookup", {"key": "six_times_seven"})
+            + "<|im_end|>",
             ANSWER,
         ],
         CFG_TWO_TOOLS,

@@ -10,8 +10,7 @@ TABLE = {"six_times_seven": "42"}
 
 
 class Lookup(Tool):
-    name = "lookup"
-    description = "Look a name up in a table."
+    name = "lookup"  # no description: a short schema keeps the taught conversation short
     parameters: ClassVar[dict] = {
         "type": "object",
         "properties": {"key": {"type": "string"}},

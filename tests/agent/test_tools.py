@@ -12,9 +12,10 @@ from tirl.agent.protocol import ToolCall, ToolCallError, build_prompt_text, tool
 from tirl.rl.metrics import rollout_metrics
 from tirl.rl.roc import penalties
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+session_loop = pytest.mark.asyncio(loop_scope="session")
 
 
+@session_loop
 async def test_two_tools_in_one_trajectory_and_roc_counts_each_tools_errors(pool, tokenizer, sandbox, taught):
     _, recordings = taught
     events: list[tuple[str, dict]] = []
@@ -27,25 +28,24 @@ async def test_two_tools_in_one_trajectory_and_roc_counts_each_tools_errors(pool
     assert traj.response_ids == rec.response_ids and traj.loss_mask == rec.loss_mask
     calls = [(c.turn, c.tool, c.status) for c in traj.tool_calls]
     assert sorted(calls) == [
-        (0, "execute_python_code_with_standard_io", "runtime_error"),
         (0, "lookup", "runtime_error"),
-        (1, "execute_python_code_with_standard_io", "ok"),
+        (0, "py", "runtime_error"),
         (1, "lookup", "ok"),
+        (1, "py", "ok"),
     ]
     results = {(p["turn"], p["tool"]): p["text"] for k, p in events if k == "tool_result"}
-    assert "ZeroDivisionError" in results[(0, "execute_python_code_with_standard_io")]
+    assert results[(0, "py")].startswith("Traceback") and results[(0, "py")].endswith("[runtime_error]")
     assert results[(0, "lookup")].startswith("no entry '6*7'")
-    assert (
-        results[(1, "lookup")] == "42" and results[(1, "execute_python_code_with_standard_io")] == "42\n[ok]"
-    )
+    assert results[(1, "lookup")] == "42" and results[(1, "py")] == "42\n[ok]"
     # RoC's p_err pools the errors of every tool: 2 errored calls of 4
     assert (traj.num_tool_calls, traj.num_tool_errors) == (4, 2)
     assert penalties(traj).p_err == 0.5
     m = rollout_metrics([[traj]], [[0]], no_tool_p_err=0.5)
     assert m["tools/lookup/calls"] == 2 and m["tools/lookup/error_ratio"] == 0.5
-    assert m["tools/execute_python_code_with_standard_io/error_ratio"] == 0.5
+    assert m["tools/py/error_ratio"] == 0.5
 
 
+@session_loop
 async def test_each_trajectory_gets_its_own_tool_instance_closed_at_the_end(pool, tokenizer, sandbox, taught):
     Lookup.closed.clear()
     for _ in range(2):
@@ -57,9 +57,7 @@ async def test_each_trajectory_gets_its_own_tool_instance_closed_at_the_end(pool
 def test_all_schemas_in_the_prompt_and_calls_checked_against_the_named_tool(tokenizer):
     text = build_prompt_text(tokenizer, "P", CFG_TWO_TOOLS)
     tools_block = text[text.index("<tools>") : text.index("</tools>")]
-    assert (
-        '"name": "execute_python_code_with_standard_io"' in tools_block and '"name": "lookup"' in tools_block
-    )
+    assert '"name": "py"' in tools_block and '"name": "lookup"' in tools_block
     schemas = tool_schemas(CFG_TWO_TOOLS)
     ok, wrong_arg, unknown = parse_tool_calls(
         '<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'
@@ -72,10 +70,7 @@ def test_all_schemas_in_the_prompt_and_calls_checked_against_the_named_tool(toke
         isinstance(wrong_arg, ToolCallError)
         and wrong_arg.message == "missing required argument(s) 'key' for lookup"
     )
-    assert (
-        unknown.message
-        == "unknown tool 'search': the tools are 'execute_python_code_with_standard_io', 'lookup'"
-    )
+    assert unknown.message == "unknown tool 'search': the tools are 'py', 'lookup'"
 
 
 def test_user_tool_from_a_dotted_path():
@@ -88,10 +83,7 @@ def test_user_tool_from_a_dotted_path():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (
-            "search",
-            "unknown tool 'search': use a built-in tool (execute_python_code_with_standard_io) or a class path",
-        ),
+        ("search", "unknown tool 'search': use one of execute_python_code_with_standard_io or a path like"),
         ("nopkg.tools:Search", "cannot import module 'nopkg.tools'"),
         ("tests.agent.lookup_tool:Search", "module 'tests.agent.lookup_tool' has no attribute 'Search'"),
         ("tests.agent.lookup_tool:NotATool", "is not a tirl.agent.tools.Tool subclass"),

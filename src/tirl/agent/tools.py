@@ -85,10 +85,8 @@ class Tool(ABC):
     @classmethod
     def schema(cls) -> dict:
         """The OpenAI-style function schema shown to the model in <tools>."""
-        return {
-            "type": "function",
-            "function": {"name": cls.name, "description": cls.description, "parameters": cls.parameters},
-        }
+        fn = {"name": cls.name, "description": cls.description, "parameters": cls.parameters}
+        return {"type": "function", "function": {k: v for k, v in fn.items() if v != ""}}
 
     @abstractmethod
     async def call(self, arguments: dict) -> ToolResult:

@@ -5,6 +5,13 @@ runtime (tirl.runtime: engines, sandbox, reward workers; `cluster.backend` local
 samples go to the learner (tirl.rl.learner: this process and the other torchrun ranks, or Ray trainer
 workers), where every rank trains on its share; then the weights are synced into the engines. Everything random is derived from (seed, step, ...), so a resumed
 run replays exactly the batches an uninterrupted run would have drawn.
+
+The objective is assembled from named parts (tirl.rl.advantages, tirl.rl.losses: policy loss,
+aggregation, dual clip, KL, entropy) by `grpo_update`; the defaults are the paper's. Departures:
+- a trajectory an infrastructure failure ended (engine or sandbox) gets reward 0, is never a RoC
+  candidate nor trained on, but counts in the metrics (so the sandbox alert can fire);
+- truncated (over-length) trajectories keep reward 0, as in the paper (overlong filtering hurt);
+- RoC reads 1/p_total in the limit (perfect positives first; tirl.rl.roc), where the paper is silent.
 """
 
 from __future__ import annotations
