@@ -1,5 +1,5 @@
 """Per-step training metrics: what the rollouts did, what RoC kept, where the time went, what the
-reward pool did (the scheduler's per-engine window: tirl.runtime.Runtime.rollout_metrics); and the
+reward pool did (the scheduler's per-engine window: tirl.runtime.Runtime.engine_metrics); and the
 alerts on them.
 
 Written as JSONL (one line per step), TensorBoard scalars, and W&B when enabled and installed. A value
