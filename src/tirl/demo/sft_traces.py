@@ -193,7 +193,7 @@ def _failed_response(plan: _Plan, outputs: dict[str, str], cfg: AgentConfig) -> 
     """What the loop sends back for the failed call: the sandbox's output, or the parse error."""
     if plan.failed_code:
         return outputs[plan.failed_code]
-    (error,) = parse_tool_calls(plan.failed_call, tool_schema=cfg.tool_schema)
+    (error,) = parse_tool_calls(plan.failed_call, tools=cfg.tool_schema)
     assert isinstance(error, ToolCallError), f"the malformed call parsed: {plan.failed_call!r}"
     return error.render()
 

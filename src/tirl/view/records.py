@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tirl.agent.loop import call_source
 from tirl.agent.protocol import ToolCall, parse_tool_calls
 from tirl.agent.trajectory import ToolCallRecord, Trajectory, turn_token_counts
 from tirl.reward import extract_answer
@@ -173,7 +174,7 @@ def _turn_parts(
             "response": responses[j] if j < len(responses) else None,
         }
         if isinstance(call, ToolCall):
-            shown |= {"code": call.code, "input": call.stdin}
+            shown |= {"code": call_source(call), "input": call.arguments.get("input", "")}
         else:
             shown |= {
                 "code": record.code if record else text[call.start : call.end],
@@ -190,7 +191,7 @@ def _take_record(unused: list[ToolCallRecord], turn: int, call) -> ToolCallRecor
     """The recorded call that matches a parsed one (records are appended as calls finish, not in order)."""
     malformed = not isinstance(call, ToolCall)
     candidates = [r for r in unused if r.turn == turn and (r.status == "malformed") == malformed]
-    exact = [r for r in candidates if malformed or r.code == call.code]
+    exact = [r for r in candidates if malformed or r.code == call_source(call)]
     record = (exact or candidates or [None])[0]
     if record is not None:
         unused.remove(record)
