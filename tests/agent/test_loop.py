@@ -229,7 +229,7 @@ async def test_training_samples_align_ids_mask_logprobs_and_advantages(pool, tok
     fix, _ = await play(pool, tokenizer, sandbox, "fix")
     loop, _ = await play(pool, tokenizer, sandbox, "loop", CFG.model_copy(update={"max_turns": 2}))
     fix.reward, loop.reward = 1.0, 0.0
-    samples = build_samples([[fix, loop]], [[0, 1]], normalize_std=True)
+    samples = build_samples([[fix, loop]], [[0, 1]], advantage="grpo")
     assert [s.advantage for s in samples] == pytest.approx(
         [2**-0.5, -(2**-0.5)], abs=1e-5
     )  # (r - mean) / std

@@ -258,7 +258,7 @@ def test_options_reach_the_penalties_and_weights():
     assert resample_on_correct([no_tool, erring, M(0)], 1, rng, mode="topk", no_tool_p_err=0.1) == [0]
     # perfect_p sets a perfect trajectory's weight: 1 / 0.25 vs 1 / 0.5 picks it ~2/3 of the time
     group = [M(1, 1, 0, 1, 2), M(1, 2, 1, 1, 2)]  # p_total 0 and 0.5
-    picks = [resample_on_correct(group, 1, rng, perfect_p=0.25) for _ in range(600)]
+    picks = [resample_on_correct(group, 1, rng, mode="sample_finite", perfect_p=0.25) for _ in range(600)]
     assert 330 < picks.count([0]) < 470  # the default perfect_p (0.01) would give ~588
     with pytest.raises(ValueError, match="unknown RoC mode 'best'"):
         resample_on_correct(group, 1, rng, mode="best")
