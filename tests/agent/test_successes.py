@@ -89,4 +89,4 @@ def test_training_step_metrics_on_right_and_wrong_answers(taught, tokenizer, tmp
     assert (m["roc/kept"], m["roc/dropped"]) == (6, 6)
     assert m["roc/p_err_kept_pos"] == pytest.approx(0.25) and m["roc/p_format_kept_pos"] == 0.0
     assert m["finish/answered"] == 1.0
-    assert m["alerts"] == ["tool error ratio 40.0% (running mean 0.0%)"]
+    assert m["alerts"] == ["tool error ratio 40.0%"]  # step 1: no running mean to compare with yet
