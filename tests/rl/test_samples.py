@@ -30,7 +30,7 @@ def _traj(reward: float, generated: bool = True) -> Trajectory:
 
 def test_hand_built_multi_turn_trajectory_is_aligned():
     right, wrong, empty = _traj(1.0), _traj(0.0), _traj(0.0, generated=False)
-    [a, b] = build_samples([[right, wrong, empty]], [[0, 1, 2]], normalize_std=False)
+    [a, b] = build_samples([[right, wrong, empty]], [[0, 1, 2]], advantage="dr_grpo")
     assert a.input_ids == PROMPT + TURN_1 + TOOL + TURN_2
     #            predicts: 11 12 20 21 22 30 31 40 41
     assert a.loss_mask == [0, 0, 1, 1, 1, 0, 0, 1, 1]
@@ -42,19 +42,19 @@ def test_hand_built_multi_turn_trajectory_is_aligned():
     # (it is left out of the samples): mean reward 1/3
     assert (a.advantage, b.advantage) == pytest.approx((2 / 3, -1 / 3))
     assert b.loss_mask == a.loss_mask and a.num_trained == 5
-    [c, d] = build_samples([[right, wrong]], [[1, 0]], normalize_std=True)  # kept order is sample order
+    [c, d] = build_samples([[right, wrong]], [[1, 0]], advantage="grpo")  # kept order is sample order
     assert (c.advantage, d.advantage) == pytest.approx((-(2**-0.5), 2**-0.5), abs=1e-5)
 
 
 def test_only_kept_members_become_samples():
     group = [_traj(1.0), _traj(0.0), _traj(1.0), _traj(0.0)]
-    samples = build_samples([group, [_traj(0.0), _traj(0.0)]], [[2, 1], []], normalize_std=False)
+    samples = build_samples([group, [_traj(0.0), _traj(0.0)]], [[2, 1], []], advantage="dr_grpo")
     assert [s.advantage for s in samples] == pytest.approx([0.5, -0.5])
     # a member with nothing to train is skipped, the members after it are not
-    samples = build_samples([[_traj(0.0, generated=False), _traj(1.0)]], [[0, 1]], normalize_std=False)
+    samples = build_samples([[_traj(0.0, generated=False), _traj(1.0)]], [[0, 1]], advantage="dr_grpo")
     assert [s.advantage for s in samples] == pytest.approx([0.5])
     with pytest.raises(ValueError):  # one kept-index list per group, no silent truncation
-        build_samples([group, group], [[0, 1]], normalize_std=False)
+        build_samples([group, group], [[0, 1]], advantage="dr_grpo")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from tirl.rl.losses import (
     resolve_aggregation,
 )
 
-__all__ = ["clip_counts", "entropy_from_logits", "group_advantages", "kl_k3", "policy_loss"]
+__all__ = ["clip_counts", "entropy_from_logits", "group_advantages", "kl_k3", "masked_sum", "policy_loss"]
 
 Normalization = Literal["token", "sequence", "constant"]
 
@@ -58,6 +58,17 @@ def policy_loss(
         counts = BatchCounts(denominator, denominator)
     objective = Objective(grpo_loss, resolve_aggregation(normalization), ClipConfig(eps_low, eps_high))
     return objective(inputs, counts)[0]
+
+
+def masked_sum(
+    values: torch.Tensor, mask: torch.Tensor, normalization: Normalization = "token", denominator=None
+) -> torch.Tensor:
+    """Masked per-token values aggregated by name (tirl.rl.losses.AGGREGATIONS); `denominator` as in
+    policy_loss (default: this batch's own count)."""
+    aggregate = resolve_aggregation(normalization)
+    mask = mask.to(values.dtype)
+    counts = BatchCounts.of(mask) if denominator is None else BatchCounts(denominator, denominator)
+    return aggregate(values, mask, counts)
 
 
 def clip_counts(
