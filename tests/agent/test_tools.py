@@ -83,7 +83,10 @@ def test_user_tool_from_a_dotted_path():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("search", "unknown tool 'search': use one of execute_python_code_with_standard_io or a path like"),
+        (
+            "search",
+            "unknown tool 'search': use one of execute_python_code_with_standard_io, python_session or a path",
+        ),
         ("nopkg.tools:Search", "cannot import module 'nopkg.tools'"),
         ("tests.agent.lookup_tool:Search", "module 'tests.agent.lookup_tool' has no attribute 'Search'"),
         ("tests.agent.lookup_tool:NotATool", "is not a tirl.agent.tools.Tool subclass"),

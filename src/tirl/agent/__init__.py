@@ -22,6 +22,7 @@ from tirl.agent.protocol import (
 )
 from tirl.agent.tools import (
     BUILTIN_TOOLS,
+    PythonSessionTool,
     PythonTool,
     Tool,
     ToolContext,
@@ -42,6 +43,7 @@ __all__ = [
     "AgentConfig",
     "Executor",
     "InfraError",
+    "PythonSessionTool",
     "PythonTool",
     "Tool",
     "ToolCall",

@@ -43,7 +43,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from tirl.agent.trajectory import ToolCallStatus
 from tirl.plugins import PluginError, resolve
@@ -51,6 +51,21 @@ from tirl.sandbox.result import ExecResult, Executor, Status
 
 if TYPE_CHECKING:
     from tirl.agent.config import AgentConfig
+
+
+class Session(Protocol):
+    """A live Python session (tirl.sandbox's local Session or HTTP RemoteSession)."""
+
+    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class SessionExecutor(Protocol):
+    """An executor that can also open persistent sessions (Sandbox, SandboxClient)."""
+
+    async def open_session(self) -> Session: ...
 
 
 class ToolSpecError(ValueError):
@@ -133,15 +148,72 @@ class PythonTool(Tool):
         if executor is None:
             raise ToolSpecError(f"the {self.name} tool needs a sandbox executor; none was given")
         result = await executor.run(arguments.get("code", ""), arguments.get("input", ""), cfg.tool_timeout)
-        status = exec_status(result)
-        if status == "sandbox_error":  # the loop reports it, the model never sees it
-            text = f"{result.status}: {result.message or result.stderr}"
-        else:
-            text = result.render(show_time=cfg.show_exec_time)
-        return ToolResult(text, status, result.wall_ms)
+        return exec_tool_result(result, cfg.show_exec_time)
 
 
-BUILTIN_TOOLS: dict[str, type[Tool]] = {PythonTool.name: PythonTool}
+def exec_tool_result(result: ExecResult, show_time: bool) -> ToolResult:
+    """What a Python tool answers for one sandbox result."""
+    status = exec_status(result)
+    if status == "sandbox_error":  # the loop reports it, the model never sees it
+        text = f"{result.status}: {result.message or result.stderr}"
+    else:
+        text = result.render(show_time=show_time)
+    return ToolResult(text, status, result.wall_ms)
+
+
+class PythonSessionTool(Tool):
+    """A persistent Python session per trajectory: what one call defines (variables, imports,
+    functions) is there in the next. Not the paper's tool (its stateless one stays the default).
+
+    One live interpreter in the sandbox (same isolation and limits as a call), opened on the first
+    call and closed with the trajectory; the paper release instead replays earlier cells, whose cost
+    grows with the square of the number of calls. A session killed (time-out, memory) says so to the
+    model, which then starts over in a fresh one; a session that cannot be opened at all (the
+    server's cap, no free slot) is an infrastructure failure, not the model's.
+    """
+
+    name = "python_session"
+    description = (
+        "Run Python 3 code in a persistent session and return what it prints. Variables, imports and "
+        "functions defined in earlier calls stay defined. When nothing is printed, the value of the "
+        "last expression is returned; on failure, the error and traceback. numpy, sympy and scipy "
+        "are installed."
+    )
+    parameters: ClassVar[dict] = PythonTool.parameters
+
+    def __init__(self, context: ToolContext) -> None:
+        super().__init__(context)
+        self._session: Session | None = None
+
+    async def call(self, arguments: dict) -> ToolResult:
+        cfg, executor = self.context.cfg, self.context.executor
+        if not isinstance(executor, SessionExecutor):
+            raise ToolSpecError(
+                f"the {self.name} tool needs an executor with open_session() (tirl.sandbox.Sandbox or "
+                f"SandboxClient); got {type(executor).__name__}"
+            )
+        if self._session is None:
+            try:
+                self._session = await executor.open_session()
+            except Exception as exc:  # a full server or a dead endpoint: infrastructure
+                return ToolResult(f"sandbox_error: could not open a Python session: {exc}", "sandbox_error")
+        result = await self._session.run(
+            arguments.get("code", ""), arguments.get("input", ""), cfg.tool_timeout
+        )
+        if result.extra.get("session_lost"):  # its message tells the model; the next call opens a fresh one
+            await self.close()  # release what the dead session still holds (uid, cgroup) now
+        return exec_tool_result(result, cfg.show_exec_time)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.aclose()
+
+
+BUILTIN_TOOLS: dict[str, type[Tool]] = {
+    PythonTool.name: PythonTool,
+    PythonSessionTool.name: PythonSessionTool,
+}
 DEFAULT_TOOLS: tuple[str, ...] = (PythonTool.name,)
 
 _JSON_TYPES = ("string", "integer", "number", "boolean", "object", "array", "null")
