@@ -148,3 +148,14 @@ def test_advantage_eps_and_entropy_per_row():
     )
     ent = entropy_from_logits(torch.tensor([[0.0, 0.0], [0.0, -100.0]]))
     assert ent.tolist() == pytest.approx([math.log(2), 0.0], abs=1e-6)
+
+
+def test_log_ratios_are_clamped_to_plus_minus_20():
+    one = torch.ones(1, 1)
+    # exp(100) overflows float32: the clamp keeps the loss finite (exp(20)); exp(-50) becomes exp(-20)
+    assert float(policy_loss(torch.tensor([[100.0]]), torch.zeros(1, 1), -torch.ones(1), one)) == (
+        pytest.approx(math.exp(20), rel=1e-5)
+    )
+    assert float(policy_loss(torch.tensor([[-50.0]]), torch.zeros(1, 1), torch.ones(1), one)) == (
+        pytest.approx(-math.exp(-20), rel=1e-5)
+    )
