@@ -84,6 +84,30 @@ def _json_error(status: int, message: str, headers: dict[str, str] | None = None
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
+STOPPED = (
+    "the sandbox service stopped before this call finished (Ctrl-C or SIGTERM on the server): "
+    "retry it on another endpoint or after a restart"
+)
+
+
+async def _answer_unless_stopped(app: Any, scope: dict, receive: Any, send: Any) -> None:
+    """Run the app; a request that the server's shutdown cancels before it answered gets a 503 (which
+    SandboxClient retries elsewhere) instead of uvicorn's bare 500 and a traceback in the log."""
+    answered = False
+
+    async def tracking_send(message: dict) -> None:
+        nonlocal answered
+        answered = answered or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        await app(scope, receive, tracking_send)
+    except asyncio.CancelledError:
+        if answered:
+            raise
+        await _json_error(503, STOPPED, {"Retry-After": "1"})(scope, receive, send)
+
+
 class Guard:
     """ASGI middleware: Host check, token, then the body (bounded in size and time), before the app."""
 
@@ -116,7 +140,7 @@ class Guard:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+        await _answer_unless_stopped(self.app, scope, replay, send)
 
     def _refusal(self, scope: dict, headers: dict[bytes, bytes]) -> JSONResponse | None:
         if self.token is None:
