@@ -103,7 +103,7 @@ def test_analyze_command_with_two_models(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("not json", "not JSON"),
+        ("not json", "not valid JSON"),
         ('{"prompt_ids": [1], "response_ids": [2]}', "missing loss_mask"),
         ('{"prompt_ids": [1], "response_ids": [2, 3], "loss_mask": [1]}', "loss_mask has 1 entries for 2"),
         ('{"prompt_ids": [], "response_ids": [2], "loss_mask": [1]}', "empty prompt_ids"),

@@ -108,7 +108,7 @@ def test_bad_paths_are_one_clear_error(tmp_path):
         load_source(tmp_path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem_id": "a", "prompt_ids": []}\nnot json\n')
-    with pytest.raises(ViewError, match=r"bad.jsonl:2: not a JSON line"):
+    with pytest.raises(ViewError, match=r"bad.jsonl:2: not valid JSON"):
         load_source(bad)
     result = CliRunner().invoke(app, ["view", str(bad)])
     assert result.exit_code == 2 and result.output.startswith("error: ") and "bad.jsonl:2" in result.output

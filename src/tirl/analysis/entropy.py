@@ -10,12 +10,12 @@ keep the generated ones.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tirl.data.loaders import DataError, read_jsonl
 from tirl.rl.grpo import entropy_from_logits
 
 REQUIRED = ("prompt_ids", "response_ids", "loss_mask")
@@ -44,24 +44,24 @@ def read_trajectories(path: str | Path, limit: int | None = None) -> list[Analyz
         raise AnalysisError(
             f"trajectories file not found: {path} (give the trajectories.jsonl `tirl eval` wrote)"
         )
+    try:
+        records = read_jsonl(path)
+    except DataError as e:
+        raise AnalysisError(f"{e}: each line must be one trajectory") from None
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise AnalysisError(f"{path}:{n}: not JSON ({e.msg}): each line must be one trajectory") from e
-        missing = [k for k in REQUIRED if k not in rec] if isinstance(rec, dict) else list(REQUIRED)
+    for n, rec in enumerate(records, 1):
+        missing = [k for k in REQUIRED if k not in rec]
         if missing:
             raise AnalysisError(
-                f"{path}:{n}: missing {', '.join(missing)}: analyze needs the token ids `tirl eval` writes"
+                f"{path}, trajectory {n}: missing {', '.join(missing)}: analyze needs the token ids `tirl eval` writes"
             )
         if not rec["prompt_ids"]:
-            raise AnalysisError(f"{path}:{n}: empty prompt_ids: the first response token needs a context")
+            raise AnalysisError(
+                f"{path}, trajectory {n}: empty prompt_ids: the first response token needs a context"
+            )
         if len(rec["loss_mask"]) != len(rec["response_ids"]):
             raise AnalysisError(
-                f"{path}:{n}: loss_mask has {len(rec['loss_mask'])} entries for {len(rec['response_ids'])} response tokens"
+                f"{path}, trajectory {n}: loss_mask has {len(rec['loss_mask'])} entries for {len(rec['response_ids'])} response tokens"
             )
         out.append(AnalyzedTrajectory(rec, rec["prompt_ids"], rec["response_ids"], rec["loss_mask"]))
         if limit is not None and len(out) >= limit:

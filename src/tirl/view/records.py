@@ -17,6 +17,7 @@ from pathlib import Path
 from tirl.agent.loop import call_source
 from tirl.agent.protocol import ToolCall, parse_tool_calls
 from tirl.agent.trajectory import ToolCallRecord, Trajectory, turn_token_counts
+from tirl.data.loaders import DataError, read_jsonl
 from tirl.reward import extract_answer
 from tirl.rl.roc import penalties
 
@@ -75,19 +76,10 @@ _WHAT = "give an eval output directory, a training run directory or a trajectori
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ViewError(f"{path}:{n}: not a JSON line ({e.msg}); is it a tirl JSONL file?") from None
-            if not isinstance(row, dict):
-                raise ViewError(f"{path}:{n}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+    try:
+        return read_jsonl(path)
+    except DataError as e:
+        raise ViewError(f"{e}; is it a tirl JSONL file?") from None
 
 
 def _read_yaml(path: Path) -> dict:
