@@ -32,6 +32,9 @@ TOOL = "<tool_call>{}</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>{}
         ("no answer here", None),
         ("<answer>\\boxed{}</answer>", None),
         ("\\boxedx{3}", None),
+        # an empty brace-less box never takes the markup after it as the answer
+        ("<answer>\\boxed </answer>", None),
+        ("<answer>\\boxed 7</answer>", "7"),
     ],
 )
 def test_extract(response, answer):

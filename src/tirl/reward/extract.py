@@ -42,8 +42,8 @@ def _boxed_content(text: str, start: int) -> str | None:
         i += 1
     if i >= len(text):
         return None
-    if text[i] != "{":  # `\boxed 5`: one token, up to whitespace or the closing `$`
-        token = re.match(r"[^\s$]+", text[i:])
+    if text[i] != "{":  # `\boxed 5`: one token, up to whitespace, the closing `$` or markup (`</answer>`)
+        token = re.match(r"[^\s$<]+", text[i:])
         return token.group(0) if token else None
     depth = 0
     j = i
