@@ -85,20 +85,14 @@ def split_slots(n_pos: int, n_neg: int, keep: int, min_per_class: int = 0) -> tu
     keep = min(keep, n)
     if n == 0:
         return 0, 0
-    k_neg = (n_neg * keep) // n
-    k_pos = keep - k_neg
-    # Guarantee each class a minimum where it has members (the release keeps >= 2 of each).
+    # Slots in proportion to the class sizes, then each class its minimum where it has members (the
+    # release keeps >= 2 of each). Neither class can get more slots than members: keep <= n makes
+    # keep - floor(n_neg * keep / n) = ceil(n_pos * keep / n) <= n_pos, and the minima are capped by size.
     need_neg = min(min_per_class, n_neg, keep)
     need_pos = min(min_per_class, n_pos, keep - need_neg)
-    k_neg = max(k_neg, need_neg)
+    k_neg = max((n_neg * keep) // n, need_neg)
     k_pos = max(keep - k_neg, need_pos)
-    k_neg = keep - k_pos
-    # A class with fewer members than slots hands the rest to the other class.
-    if k_pos > n_pos:
-        k_pos, k_neg = n_pos, keep - n_pos
-    if k_neg > n_neg:
-        k_neg, k_pos = n_neg, keep - n_neg
-    return k_pos, k_neg
+    return k_pos, keep - k_pos
 
 
 def resample_on_correct(
