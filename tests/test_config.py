@@ -29,7 +29,10 @@ def test_a_yaml_file_reads_off_as_the_string_off(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("algorithm.roc=of", r"algorithm\.roc: Input should be 'sample', 'sample_finite', 'topk' or 'off' \(got 'of'\)"),
+        (
+            "algorithm.roc=of",
+            r"algorithm\.roc: Input should be 'sample', 'sample_finite', 'topk' or 'off' \(got 'of'\)",
+        ),
         ("optim.lr=", r"override 'optim.lr=' has no value"),
         ("optim.lr=fast", r"optim\.lr: .*\(got 'fast'\)"),
         ("=3", "must look like key.path=value"),
