@@ -63,4 +63,4 @@ if __name__ == "__main__":
     if result["rank"] == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(result, f)
-    shutdown_distributed()
+    shutdown_distributed(synchronize=True)

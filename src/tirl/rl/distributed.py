@@ -6,6 +6,8 @@ no-op. Launch N processes with `torchrun --nproc_per_node=N tirl train ...` (glo
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +40,7 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     device = resolve_device(device_pref)
     if world == 1:
         return DistInfo(0, 1, device)
+    faulthandler.enable()  # a rank that aborts in native code says where in Python it was
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         # Rollouts run on rank 0 while the others wait in a collective: allow long steps.
@@ -49,9 +52,18 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     return DistInfo(rank, dist.get_world_size(), device)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(synchronize: bool) -> None:
+    """Leave the process group. After a clean run all ranks first meet in a barrier (rank 0 may still
+    be writing the last checkpoint) and drop their last collective handles while the interpreter is
+    alive: a gloo rank that tears its group down while a peer is still in flight, or exits with work
+    objects pending, can abort at exit (SIGABRT, "terminate called without an active exception").
+    After an error there is no barrier: a peer that died would make it wait for the full timeout."""
+    if not dist.is_initialized():
+        return
+    if synchronize:
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def shard_model(model: torch.nn.Module, info: DistInfo, bf16: bool) -> torch.nn.Module:

@@ -118,6 +118,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path
     from tirl.engines.factory import load_tokenizer
 
     info = init_distributed(cfg.optim.device)
+    clean = False
     try:
         console = Console(stderr=True, quiet=not (progress and info.is_main))
         ckpt = prepare_run_dir(cfg.run_dir, cfg, resume, info.is_main, console.print)
@@ -168,6 +169,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path
             console.print(f"sft step {step + 1}/{total} loss {loss:.4f} lr {lr:.2e} gnorm {grad_norm:.2f}")
         if logger:
             logger.close()
+        clean = True
         return cfg.run_dir
     finally:
-        shutdown_distributed()
+        shutdown_distributed(synchronize=clean)

@@ -295,10 +295,13 @@ def checkpoint(run: Run, sampler: EpochSampler) -> None:
 def run_training(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path:
     """Train with GRPO-RoC through all stages; returns the run directory (checkpoints, metrics)."""
     info = init_distributed(cfg.optim.device)
+    clean = False
     try:
-        return asyncio.run(_train(cfg, info, resume, progress))
+        run_dir = asyncio.run(_train(cfg, info, resume, progress))
+        clean = True
+        return run_dir
     finally:
-        shutdown_distributed()
+        shutdown_distributed(synchronize=clean)
 
 
 async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool) -> Path:
