@@ -41,6 +41,10 @@ class AlgorithmConfig(_Strict):
     kl_coef: float = 0.0  # no KL term by default (the paper)
     entropy_coef: float = 0.0  # no entropy bonus by default (it caused collapse)
     mini_batches: int = Field(1, ge=1)  # optimizer updates per RL step
+    # Truncated importance sampling against the engine's sampling log-probs (tirl.rl.importance): each
+    # trained token's loss is weighted by min(pi_old / pi_engine, tis_cap). None (the paper): off.
+    # The literature's cap is 2.0; use it with `async` or with engines whose numerics differ (bf16).
+    tis_cap: float | None = Field(None, ge=1.0)
 
     @field_validator("advantage")
     @classmethod
@@ -136,6 +140,18 @@ class TrainConfig(_Strict):
     def _engine_serves_the_policy(self) -> TrainConfig:
         if not self.engine.model:
             self.engine = self.engine.model_copy(update={"model": self.model})
+        return self
+
+    @model_validator(mode="after")
+    def _tis_compares_like_with_like(self) -> TrainConfig:
+        # The engine reports log-probs of its sampling distribution (tempered, nucleus-renormalized); the
+        # trainer's are of the plain softmax: the TIS ratio is only an importance weight when they agree.
+        if self.algorithm.tis_cap is not None and (self.agent.temperature != 1.0 or self.agent.top_p != 1.0):
+            raise ValueError(
+                f"algorithm.tis_cap needs agent.temperature=1.0 and agent.top_p=1.0 (got "
+                f"{self.agent.temperature}, {self.agent.top_p}): the engine's log-probs would be of another "
+                "distribution than the trainer's; set them to 1.0 or turn tis_cap off"
+            )
         return self
 
     @property

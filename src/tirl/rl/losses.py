@@ -29,8 +29,10 @@ Every term reports diagnostics as sums (or maxes) over tokens, so the trainer ca
 micro-batches and ranks and divide once: clip fractions, the ratio's mean and max, approx_kl
 (E[(rho - 1) - log rho] against the rollout policy, as CleanRL), entropy, KL to the reference.
 
-Where to add a term later: a per-token weight on `TokenLoss.loss` before aggregation (e.g. truncated
-importance sampling against the engine's behaviour log-probs, read from PolicyInputs).
+Off-policy correction (`algorithm.tis_cap`, off by default): the per-token loss is multiplied, before
+aggregation, by the detached truncated importance weight min(pi_old / mu, cap) against the engine's
+sampling log-probs mu (tirl.rl.importance), with its diagnostics (weight mean, ratio max, fraction
+truncated).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tirl.plugins import resolve
+from tirl.rl.importance import truncated_is_weights
 
 _MAX_LOG_RATIO = 20.0  # a numerically huge ratio would be clipped anyway but can overflow to inf
 
@@ -51,6 +54,7 @@ class PolicyInputs:
     old_logprobs: torch.Tensor  # [B, T] the policy that sampled (recomputed by the trainer)
     advantages: torch.Tensor  # [B] one per trajectory, or [B, T] per token
     mask: torch.Tensor  # [B, T] 1 = trained on
+    engine_logprobs: torch.Tensor | None = None  # [B, T] the engine's sampling log-probs (for TIS)
 
     def __post_init__(self) -> None:
         self.mask = self.mask.to(self.logprobs.dtype)
@@ -197,6 +201,7 @@ class Objective:
     clip: ClipConfig = ClipConfig()
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    tis_cap: float | None = None  # truncated importance sampling against the engine; None: off
 
     @classmethod
     def from_config(cls, alg) -> Objective:
@@ -207,6 +212,7 @@ class Objective:
             ClipConfig(alg.eps_low, alg.eps_high, alg.dual_clip),
             alg.kl_coef,
             alg.entropy_coef,
+            alg.tis_cap,
         )
 
     @property
@@ -222,7 +228,13 @@ class Objective:
     ) -> tuple[torch.Tensor, Diagnostics]:
         mask = inputs.mask
         tl = self.policy_loss(inputs, self.clip)
-        loss = self.aggregate(tl.loss, mask, counts)
+        token_loss = tl.loss
+        if self.tis_cap is not None:
+            if inputs.engine_logprobs is None:
+                raise ValueError("tis_cap is set but the batch has no engine log-probs")
+            tis = truncated_is_weights(inputs.old_logprobs, inputs.engine_logprobs, mask, self.tis_cap)
+            token_loss = token_loss * tis.weight.to(token_loss.dtype)
+        loss = self.aggregate(token_loss, mask, counts)
         with torch.no_grad():
             ratio = tl.ratio.to(mask.dtype)
             log_ratio = (
@@ -239,6 +251,10 @@ class Objective:
                 },
                 maxes={"ratio_max": float(ratio[trained].max()) if trained.any() else 1.0},
             )
+            if self.tis_cap is not None:
+                diag.sums["tis_weight_mean"] = _masked(tis.weight, mask)
+                diag.sums["tis_truncated_frac"] = _masked(tis.truncated, mask)
+                diag.maxes["tis_ratio_max"] = float(tis.ratio[trained].max()) if trained.any() else 1.0
         if self.kl_coef:
             if ref_logprobs is None:
                 raise ValueError("kl_coef > 0 needs the reference policy's log-probs")

@@ -56,10 +56,10 @@ class MicroBatch:
     extras: dict = field(default_factory=dict)
 
     def stack(self, name: str) -> torch.Tensor:
-        """Pad a per-token attribute of the samples (old_logprobs, ref_logprobs) to [B, T]."""
+        """Pad a per-token attribute of the samples (old_logprobs, ref_logprobs, engine_logprobs) to [B, T]."""
         out = torch.zeros_like(self.logprobs, dtype=torch.float32)
         for i, s in enumerate(self.samples):
-            values = getattr(s, name)
+            values = torch.as_tensor(getattr(s, name), dtype=torch.float32)
             out[i, : len(values)] = values
         return out.to(self.logprobs.device)
 
@@ -67,8 +67,14 @@ class MicroBatch:
         return torch.tensor([s.advantage for s in self.samples], device=self.logprobs.device)
 
     def policy_inputs(self) -> PolicyInputs:
-        """What a policy loss reads (tirl.rl.losses): log-probs now and at sampling, advantages, mask."""
-        return PolicyInputs(self.logprobs, self.stack("old_logprobs"), self.advantages(), self.mask)
+        """What a policy loss reads (tirl.rl.losses): log-probs now and at sampling, advantages, mask, and
+        the engine's sampling log-probs where every sample has them."""
+        engine = (
+            self.stack("engine_logprobs")
+            if all(s.engine_logprobs is not None for s in self.samples)
+            else None
+        )
+        return PolicyInputs(self.logprobs, self.stack("old_logprobs"), self.advantages(), self.mask, engine)
 
 
 def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -195,7 +201,7 @@ class Policy:
         for g in groups:
             yield [samples[i] for i in g]
         for _ in range(int(count) - len(groups)):
-            yield [TrainSample([self.pad_id, self.pad_id], [0], 0.0, torch.zeros(1), torch.zeros(1))]
+            yield [TrainSample([self.pad_id, self.pad_id], [0], 0.0, torch.zeros(1), torch.zeros(1), [0.0])]
 
     def snapshot_reference(self) -> None:
         """Freeze a copy of the current policy as the KL reference (single process only)."""
