@@ -1,6 +1,7 @@
 """tirl's sandbox service vs a process per call (code-judge / SandboxFusion style), side by side.
 
 Usage: python benchmarks/sandbox_bench.py [--calls 300] [--concurrency 1,4,32] [--rss-calls 5000]
+       [--workloads trivial,numpy,sympy]
 Prints a markdown table (calls/s, p50/p99 latency, speed-up) and the service RSS before/after.
 """
 
@@ -15,8 +16,15 @@ if __name__ == "__main__":
     p.add_argument("--calls", type=int, default=300, help="calls per workload and concurrency level")
     p.add_argument("--concurrency", default="1,4,32", help="comma-separated concurrency levels")
     p.add_argument("--slots", type=int, default=None, help="service slots (default: CPU cores)")
+    p.add_argument(
+        "--workloads", default="", help="comma-separated words: only matching workloads (e.g. trivial)"
+    )
     p.add_argument("--rss-calls", type=int, default=5000, help="calls between the RSS readings (0: skip)")
     a = p.parse_args()
     main(
-        calls=a.calls, levels=[int(c) for c in a.concurrency.split(",")], slots=a.slots, rss_calls=a.rss_calls
+        calls=a.calls,
+        levels=[int(c) for c in a.concurrency.split(",")],
+        slots=a.slots,
+        rss_calls=a.rss_calls,
+        workloads=[w for w in a.workloads.split(",") if w],
     )

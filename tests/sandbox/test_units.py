@@ -105,6 +105,32 @@ async def test_cell_semantics(pool):
     assert r.status == Status.RUNTIME_ERROR and "site-packages" not in r.stderr and "/work" not in r.stderr
 
 
+THREADS_AND_FORKS = """
+import os, random, threading, concurrent.futures as cf
+assert threading.current_thread() is threading.main_thread()
+with cf.ThreadPoolExecutor(4) as ex:
+    squares = sorted(ex.map(lambda v: v * v, range(8)))
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, repr(random.random()).encode())
+    os._exit(0)
+os.close(w)
+child_draw = float(os.read(r, 64))
+os.waitpid(pid, 0)
+print(squares[-1], threading.active_count(), child_draw != random.random())
+"""
+
+
+@session_loop
+async def test_a_call_is_an_ordinary_python_process(pool):
+    """The fork server forks without Python's at-fork hooks (linux.fork_bare): threads, thread pools and
+    the user's own forks (which do run the hooks, so the child reseeds) must still behave as usual."""
+    for _ in range(2):
+        r = await pool.run(THREADS_AND_FORKS)
+        assert (r.status, r.stdout) == (Status.OK, "49 1 True\n"), r
+
+
 @session_loop
 async def test_slots_recycle_and_recover_from_a_dead_zygote():
     """A zygote asks to be replaced after max_calls; one that dies mid-call is a sandbox_error, then replaced."""

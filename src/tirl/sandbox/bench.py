@@ -141,13 +141,17 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-async def run_bench(calls: int, levels: list[int], slots: int | None, rss_calls: int) -> str:
+async def run_bench(
+    calls: int, levels: list[int], slots: int | None, rss_calls: int, workloads: list[str] | None = None
+) -> str:
     cfg = SandboxConfig(mode="local", slots=slots, timeout_s=30, concurrency=max(levels) * 2)
     rows, split = [], []
     async with open_executor(cfg) as client:
         await client.run_batch([{"code": c} for c in WORKLOADS.values()] * 4)  # first connections, page cache
         service_pid = (await service_health(client.endpoints[0], client.token))["service_pid"]
         for name, code in WORKLOADS.items():
+            if workloads and not any(w in name for w in workloads):
+                continue
             base_calls = max(16, calls // (3 if name == "trivial print" else 8))
             for c in levels:
                 before = cpu_by_part(service_pid)
@@ -198,7 +202,15 @@ def table(rows: list[tuple[str, int, Measured, Measured]]) -> str:
 
 
 def main(
-    calls: int = 300, levels: list[int] | None = None, slots: int | None = None, rss_calls: int = 5000
+    calls: int = 300,
+    levels: list[int] | None = None,
+    slots: int | None = None,
+    rss_calls: int = 5000,
+    workloads: list[str] | None = None,
 ) -> None:
+    """`workloads`: run only those whose name contains one of these words (e.g. ["trivial"])."""
+    unknown = [w for w in workloads or [] if not any(w in name for name in WORKLOADS)]
+    if unknown:
+        raise SystemExit(f"unknown workload {unknown}: choose among {list(WORKLOADS)}")
     print(f"tirl sandbox bench: {os.cpu_count()} cores, {calls} calls per cell", file=sys.stderr)
-    print(asyncio.run(run_bench(calls, levels or [1, 4, 32], slots, rss_calls)))
+    print(asyncio.run(run_bench(calls, levels or [1, 4, 32], slots, rss_calls, workloads)))

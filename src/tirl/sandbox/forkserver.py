@@ -90,6 +90,10 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
     # migration costs milliseconds). Joining after warm-up leaves the warm pages charged to the
     # service, so a slot's usage is its call's memory plus the fork server's small growth.
     plan.cgroup.join()
+    if len(os.listdir("/proc/self/task")) != 1:  # linux.fork_bare is only sound in a single thread
+        raise RuntimeError("the fork server must be single-threaded")
+    isolation.clean_environment()  # once here instead of in every call
+    seccomp = linux.seccomp_fprog(program) if program is not None else None
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     running: collections.deque[int] = collections.deque()
     sessions: dict[int, int] = {}  # pidfd -> pid of children living on as sessions (reaped when they end)
@@ -109,12 +113,12 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
         if command.startswith(SESSION):
             uid = int(command[1:]) if command[1:] else plan.uid
             session_plan = dataclasses.replace(plan, uid=uid, own_network=plan.namespaces and not plan.userns)
-            pid = _prepare(sock, session_plan, program, own_pidns, workdir_mb)
+            pid = _prepare(sock, session_plan, seccomp, own_pidns, workdir_mb)
             sessions[os.pidfd_open(pid)] = pid
             continue
         if command == NEXT and running:
             _reap(sock, running.popleft())
-        running.append(_prepare(sock, plan, program, own_pidns, workdir_mb))
+        running.append(_prepare(sock, plan, seccomp, own_pidns, workdir_mb))
     os._exit(0)  # prepared children see EOF on their request pipe and exit; PDEATHSIG does the rest
 
 
@@ -124,19 +128,24 @@ def _reap(sock: socket.socket, pid: int) -> None:
 
 
 def _prepare(
-    sock: socket.socket, plan: isolation.Plan, program: bytes | None, own_pidns: int, workdir_mb: int
+    sock: socket.socket,
+    plan: isolation.Plan,
+    seccomp: linux.SockFprog | None,
+    own_pidns: int,
+    workdir_mb: int,
 ) -> int:
     """Fork and confine the next call's process now, so the call itself only runs the code."""
     request, out, err, res = (os.pipe() for _ in range(4))
+    address_space = _vm_bytes()  # the child's, as it starts: measured here, not in its own memory
     if plan.pid_namespace:
         # The next child becomes pid 1 of a fresh pid namespace. The kernel allows this only while
         # our children's pid namespace is still our own, so point it back there first.
         linux.setns(own_pidns, linux.CLONE_NEWPID)
         linux.unshare(linux.CLONE_NEWPID)
-    pid = os.fork()
+    pid = linux.fork_bare()  # single-threaded: no after-fork hooks needed (the child reseeds)
     if pid == 0:
         try:
-            _child(plan, program, workdir_mb, (request[0], out[1], err[1], res[1]))
+            _child(plan, seccomp, workdir_mb, address_space, (request[0], out[1], err[1], res[1]))
         finally:
             os._exit(CONFINE_FAILED)
     ours = (os.pidfd_open(pid), request[1], out[0], err[0], res[0])
@@ -149,7 +158,11 @@ def _prepare(
 
 
 def _child(
-    plan: isolation.Plan, program: bytes | None, workdir_mb: int, fds: tuple[int, int, int, int]
+    plan: isolation.Plan,
+    seccomp: linux.SockFprog | None,
+    workdir_mb: int,
+    address_space: int,
+    fds: tuple[int, int, int, int],
 ) -> None:
     """In the forked child: wire fds, confine, wait for the call, apply its limits, run it. Never returns."""
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in fds]  # out of the way of 0-4, which we overwrite
@@ -158,8 +171,7 @@ def _child(
         for target, fd in zip((REQUEST_FD, 1, 2, cell.RESULT_FD), high, strict=True):
             os.dup2(fd, target)
         os.closerange(REQUEST_FD + 1, 1 << 16)  # nothing of the fork server leaks into user code
-        address_space = _vm_bytes()
-        isolation.confine_call(plan, program, workdir_mb)
+        isolation.confine_call(plan, seccomp, workdir_mb)
         _reseed()  # each child reseeds after its own fork: no two calls share random state
         cell.open_streams()
     except BaseException as exc:  # report, never run user code half-confined
@@ -236,8 +248,11 @@ def _fail(exc: BaseException) -> None:
 
 
 def _vm_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return int(os.read(fd, 256).split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    finally:
+        os.close(fd)
 
 
 def _reseed() -> None:
