@@ -56,22 +56,35 @@ def alive(pid: int) -> bool:
 
 
 class Output:
-    """Collects a process's merged output on a thread; `wait_for` blocks until a text appears."""
+    """Collects a process's merged output on a thread; `wait_for` blocks until a text appears (woken by
+    each chunk read, not by polling), `drain` until the output ends."""
 
     def __init__(self, proc: subprocess.Popen):
-        self.text, self.proc = "", proc
-        threading.Thread(target=self._read, daemon=True).start()
+        self.text, self.proc, self.ended = "", proc, False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for chunk in iter(lambda: self.proc.stdout.read1(4096), b""):
-            self.text += chunk.decode(errors="replace")
+            with self._changed:
+                self.text += chunk.decode(errors="replace")
+                self._changed.notify_all()
+        with self._changed:
+            self.ended = True
+            self._changed.notify_all()
 
     def wait_for(self, text: str, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.text:
-            assert self.proc.poll() is None or text in self.text, self.text[-3000:]
-            assert time.monotonic() < deadline, f"never printed {text!r}:\n{self.text[-3000:]}"
-            time.sleep(0.1)
+        """Until `text` is printed; fails if the output ends without it (timeout: a hang guard only)."""
+        with self._changed:
+            self._changed.wait_for(lambda: text in self.text or self.ended, timeout)
+            assert text in self.text, f"never printed {text!r}:\n{self.text[-3000:]}"
+
+    def drain(self, timeout: float = 120) -> str:
+        """Everything the process printed: waits for the end of its output (EOF), not for a time."""
+        self._reader.join(timeout)
+        assert self.ended, f"the output never ended (a child still holds it):\n{self.text[-3000:]}"
+        return self.text
 
 
 @pytest.mark.parametrize(
@@ -145,7 +158,7 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path):
         assert proc.wait(timeout=300) == 130, output.text[-3000:]
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-    time.sleep(0.5)  # the reader thread drains the pipe
+    output.drain()
     assert "Traceback" not in output.text, output.text[-3000:]
     expected = f"continue with: tirl train --config {config} seed=3 --resume"
     assert expected in output.text and "is saved at step_00000" in output.text, output.text[-3000:]
@@ -172,7 +185,7 @@ def test_ctrl_c_in_eval_keeps_the_finished_trajectories(tiny_model_dir, tmp_path
         assert proc.wait(timeout=300) == 130, output.text[-3000:]
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-    time.sleep(0.5)
+    output.drain()
     assert "Traceback" not in output.text, output.text[-3000:]
     kept = (out / "trajectories.partial.jsonl").read_text().splitlines()
     assert f"interrupted: {len(kept)} of 128 trajectories had finished" in output.text, output.text[-3000:]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+
 import pytest
 import pytest_asyncio
 from tests.agent.scripted import Script, call, record, teach, tool_call
+from tests.conftest import cached_dir
 from transformers import AutoModelForCausalLM
 
 from tirl.agent import AgentConfig
@@ -106,9 +110,19 @@ def tokenizer(tiny_model_dir):
 async def taught(tiny_model_dir, tokenizer, sandbox):
     """(model, recordings by script name): a tiny model that replays SCRIPTS under greedy decoding."""
     recordings = {name: await record(tokenizer, sandbox, s, CFG) for name, s in SCRIPTS.items()}
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    loss = teach(model, list(recordings.values()))
-    assert loss < 0.05, f"the tiny model did not memorize the scripts (loss {loss:.3f})"
+
+    def taught_model(out: Path | None = None):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        loss = teach(model, list(recordings.values()))
+        assert loss < 0.05, f"the tiny model did not memorize the scripts (loss {loss:.3f})"
+        if out is not None:
+            model.save_pretrained(out)
+        return model
+
+    # `make mutate` keeps the taught weights per (base model, recordings, teaching code)
+    key = f"{tiny_model_dir}{recordings}{inspect.getsource(teach)}"
+    cached = cached_dir("taught", key, taught_model)
+    model = taught_model() if cached is None else AutoModelForCausalLM.from_pretrained(cached)
     return model, recordings
 
 

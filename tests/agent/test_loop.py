@@ -143,7 +143,7 @@ async def test_engine_failure_ends_with_error_not_a_wrong_answer(taught, tiny_mo
             on_event=lambda k, p: asyncio.ensure_future(close_during_tool_call(k, p)),
         )
     )
-    traj = await asyncio.wait_for(task, 60)
+    traj = await asyncio.wait_for(task, 300)  # a hang guard
     assert traj.finish_reason == "error" and "closed" in traj.error and traj.turns == 1
 
 
@@ -284,19 +284,31 @@ class _HungExecutor:
         await asyncio.Event().wait()
 
 
+async def _guarded(trajectory):
+    """A hang guard, not a timing assertion: a loop that ignores its own timeout fails here, not hangs."""
+    try:
+        return await asyncio.wait_for(trajectory, 300)
+    except TimeoutError:
+        pytest.fail("the trajectory hung: the loop did not apply its timeout")
+
+
 async def test_stuck_engine_stuck_executor_and_aborts_end_with_error(engine, tokenizer, sandbox, taught):
     """Every wait has its limit: each failure ends the trajectory with finish reason "error" (not
     scored, never a wrong answer), keeping the tokens generated before it."""
     cfg = CFG.model_copy(update={"generation_timeout": 0.05})
-    traj = await run_trajectory(
-        SingleEnginePool(_HungEngine()), tokenizer, sandbox, SCRIPTS["mul"].problem, cfg, group="g"
+    traj = await _guarded(
+        run_trajectory(
+            SingleEnginePool(_HungEngine()), tokenizer, sandbox, SCRIPTS["mul"].problem, cfg, group="g"
+        )
     )
     assert traj.finish_reason == "error" and "produced no turn within 0.05 s" in traj.error
     assert traj.turns == 0 and traj.response_ids == []
 
     cfg = CFG.model_copy(update={"tool_wait_timeout": 0.05})
-    traj = await run_trajectory(
-        SingleEnginePool(engine), tokenizer, _HungExecutor(), SCRIPTS["mul"].problem, cfg, group="g"
+    traj = await _guarded(
+        run_trajectory(
+            SingleEnginePool(engine), tokenizer, _HungExecutor(), SCRIPTS["mul"].problem, cfg, group="g"
+        )
     )
     assert traj.finish_reason == "error" and "no result within 0.05 s" in traj.error
     assert traj.turns == 1 and set(traj.loss_mask) == {1} and traj.tool_wait_seconds >= 0.05

@@ -78,8 +78,11 @@ def assert_host_untouched(canary: Path, uids: list[int], zygotes: list[int]) -> 
     assert not strays, f"processes of sandbox uids outlived their call: {strays}"
 
 
-def wait_idle(zygotes: list[int], timeout: float = 5.0) -> None:
-    """Wait until every fork server has forked its next prepared child (it does so as a call ends)."""
+def wait_idle(zygotes: list[int], timeout: float = 120.0) -> None:
+    """Wait until every fork server has forked its next prepared child (it does so as a call ends).
+
+    The timeout is a hang guard: on a loaded machine the fork can lag by seconds, and returning early
+    would make the caller's checks see a server between two children."""
     import time
 
     def idle(z: int) -> bool:

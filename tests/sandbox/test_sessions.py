@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,8 @@ async def test_state_is_kept_across_calls_in_process(pool):
         )
         assert r.stdout == "True 1 False\n", "a session is confined like any call"
         pid = session.child.pid
-    for _ in range(200):  # reaped by its fork server
-        if not Path(f"/proc/{pid}").exists():
-            break
+    deadline = time.monotonic() + 120  # reaped by its fork server (a hang guard, not a time limit)
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         await asyncio.sleep(0.025)
     assert not Path(f"/proc/{pid}").exists(), "a closed session's process must be gone"
     r = await session.run("print(x)")
@@ -92,9 +92,8 @@ async def test_abandoned_sessions_leave_nothing_behind():
                 session = await sb.open_session()
                 r = await session.run(f"v = {i}\nprint(v * 2)")
                 assert (r.status, r.stdout) == (Status.OK, f"{2 * i}\n"), r
-            for _ in range(400):  # abandoned: the pool's idle expiry must end them
-                if not sb._sessions:
-                    break
+            deadline = time.monotonic() + 120  # abandoned: the pool's idle expiry must end them
+            while sb._sessions and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not sb._sessions, "idle sessions were not expired"
 

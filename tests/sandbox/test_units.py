@@ -137,20 +137,23 @@ async def test_slots_recycle_and_recover_from_a_dead_zygote():
     import asyncio
     import os
     import signal
+    import time
 
     async with Sandbox(slots=1, max_calls=3, preload=[], warmup=[]) as sb:
         first = sb._slots[0].proc.pid
         assert [(await sb.run(f"print({i})")).stdout for i in range(4)] == ["0\n", "1\n", "2\n", "3\n"]
         assert sb._slots[0].proc.pid != first, "the zygote was recycled after 3 calls"
         call = asyncio.create_task(sb.run("import time; time.sleep(3)"))
-        await asyncio.sleep(0.5)
+        while not sb.health()["busy"]:  # the call holds the slot (the test's timeout guards a hang)
+            await asyncio.sleep(0.01)
         os.kill(sb._slots[0].proc.pid, signal.SIGKILL)
         r = await call
         assert r.status == Status.SANDBOX_ERROR and r.is_infra_error and "died" in r.message
         assert (await sb.run("print('recovered')")).stdout == "recovered\n"
         assert sb.health()["alive"] == 1
         zygote = sb._slots[0].proc.pid
-        for _ in range(100):  # SIGKILL delivery may lag on a loaded machine
+        deadline = time.monotonic() + 120  # a hang guard: SIGKILL delivery may lag on a loaded machine
+        while time.monotonic() < deadline:
             # (it is reparented to the host's init, which reaps it: a zombie until then is dead already)
             strays = set(processes_of_uids(set(sb.uids), include_zombies=False)) - set(
                 children(fork_server(zygote))
