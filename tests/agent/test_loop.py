@@ -9,7 +9,7 @@ import pytest
 import torch
 from tests.agent.conftest import CFG, SCRIPTS, SLOW_S
 
-from tirl.agent import derive_seed, render_tool_response, rollout, run_trajectory
+from tirl.agent import build_prompt_ids, derive_seed, render_tool_response, rollout, run_trajectory
 from tirl.data.problem import Problem
 from tirl.engines import EngineConfig, SingleEnginePool
 from tirl.engines.base import Generation
@@ -62,7 +62,18 @@ async def test_tool_call_then_answer_in_token_space(pool, tokenizer, sandbox, ta
     assert all(lp <= 0.0 for lp in traj.logprobs) and sum(traj.logprobs) < 0
     assert "\\boxed{42}</answer>" in traj.response_text
     assert traj.tool_wait_seconds >= SLOW_S and traj.gen_seconds > 0 and traj.engine == "hf0"
-    assert [k for k, _ in events] == ["turn", "tool_call", "tool_result", "turn", "finish"]
+    # what a display sees: each turn's text, the call as run, its result, how the trajectory ended
+    code, tool = f"import time\ntime.sleep({SLOW_S})\nprint(6*7)", "execute_python_code_with_standard_io"
+    turns = [tokenizer.decode(t, skip_special_tokens=False) for t in runs(rec.response_ids, rec.loss_mask, 1)]
+    assert events == [
+        ("turn", {"turn": 0, "text": turns[0], "finish_reason": "stop"}),
+        ("tool_call", {"turn": 0, "tool": tool, "arguments": {"code": code, "input": ""}, "code": code}),
+        ("tool_result", {"turn": 0, "tool": tool, "status": "ok", "text": result}),
+        ("turn", {"turn": 1, "text": turns[1], "finish_reason": "stop"}),
+        ("finish", {"finish_reason": "answered", "error": ""}),
+    ]
+    [record] = traj.tool_calls
+    assert (record.turn, record.code, record.tool) == (0, code, tool) and record.wall_ms >= SLOW_S * 1000
 
 
 async def test_malformed_call_is_fed_back_and_fixed(pool, tokenizer, sandbox, taught):
@@ -73,6 +84,13 @@ async def test_malformed_call_is_fed_back_and_fixed(pool, tokenizer, sandbox, ta
     texts = [p["text"] for k, p in events if k == "tool_result"]
     assert texts[0] == "Error: argument 'code' must be a JSON string, got a JSON number"
     assert texts[1].startswith("42\n")  # 2 * int("21"): stdin reached the program
+    malformed, fixed = traj.tool_calls
+    assert (malformed.turn, malformed.tool) == (0, "") and '"code": 1' in malformed.code  # the raw call
+    assert (fixed.turn, fixed.tool, fixed.code) == (
+        1,
+        "execute_python_code_with_standard_io",
+        "print(2*int(input()))",
+    )
 
 
 async def test_max_turns_stops_without_running_the_last_call(pool, tokenizer, sandbox, taught):
@@ -325,9 +343,11 @@ class _CountingPool(SingleEnginePool):
     def __init__(self, engine):
         super().__init__(engine)
         self.active = self.peak = 0
+        self.leases: list[tuple[str, int]] = []
 
     @contextlib.asynccontextmanager
     async def lease(self, group, max_tokens):
+        self.leases.append((group, max_tokens))
         self.active += 1
         self.peak = max(self.peak, self.active)
         try:
@@ -343,3 +363,50 @@ async def test_concurrency_gate_bounds_trajectories_in_flight(random_engine, tok
     problems = [Problem("p0", "1+1?", "2"), Problem("p1", "2+2?", "4")]
     groups = await rollout(pool, tokenizer, sandbox, problems, 3, cfg, concurrency=concurrency)
     assert sum(len(g) for g in groups) == 6 and pool.peak == concurrency and pool.active == 0
+    # each trajectory leases once, for its group, with L = its prompt + the response budget
+    full = {
+        p.id: len(build_prompt_ids(tokenizer, p.problem, cfg)) + cfg.max_response_tokens for p in problems
+    }
+    assert sorted(pool.leases) == sorted([(p.id, full[p.id]) for p in problems] * 3)
+
+
+class _RecordingEngine:
+    """The taught engine, keeping every request it gets (context and sampling parameters)."""
+
+    name = "recording"
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    async def generate(self, prompt_ids, params):
+        self.requests.append((list(prompt_ids), params))
+        return await self.engine.generate(prompt_ids, params)
+
+
+async def test_each_turn_asks_the_engine_for_the_configured_sampling(engine, tokenizer, sandbox, taught):
+    """Every turn sends the whole context so far, the configured temperature and top-p, the budget left
+    capped by max_turn_tokens, the end-of-turn stop ids, the </tool_call> stop and the turn's seed."""
+    recorder = _RecordingEngine(engine)
+    cap = 60  # above every scripted turn's length: the model still replays the script
+    cfg = CFG.model_copy(update={"top_p": 0.5, "max_turn_tokens": cap})
+    traj = await run_trajectory(
+        SingleEnginePool(recorder), tokenizer, sandbox, SCRIPTS["fix"].problem, cfg, group="g", seed=7
+    )
+    assert traj.finish_reason == "answered" and len(recorder.requests) == traj.turns == 3
+    stops = sorted(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    starts = [k for k, m in enumerate(traj.loss_mask) if m and (k == 0 or not traj.loss_mask[k - 1])]
+    for turn, ((context, params), start) in enumerate(zip(recorder.requests, starts, strict=True)):
+        assert context == traj.prompt_ids + traj.response_ids[:start]
+        assert (params.temperature, params.top_p, params.seed) == (0.0, 0.5, derive_seed(7, turn))
+        assert params.max_tokens == min(cap, cfg.max_response_tokens - start)
+        assert params.stop_token_ids == sorted({*stops, tokenizer.eos_token_id})
+        assert params.stop_strings == ["</tool_call>"]
+    # the budget left binds once it is below the cap; no seed given: the engine draws its own
+    recorder.requests.clear()
+    budget = starts[1] + 20  # the second turn gets 20 tokens: fewer than its scripted call needs
+    cfg = CFG.model_copy(update={"max_response_tokens": budget})
+    traj = await run_trajectory(
+        SingleEnginePool(recorder), tokenizer, sandbox, SCRIPTS["fix"].problem, cfg, group="g"
+    )
+    assert (traj.finish_reason, len(traj.response_ids)) == ("length", budget)
+    assert [(p.max_tokens, p.seed) for _, p in recorder.requests] == [(budget, None), (20, None)]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tirl.engines.base import EnginePool, SamplingParams
+from tirl.engines.base import EnginePool, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig
 from tirl.engines.factory import build_pool
 from tirl.engines.scheduler import Admission, RolloutScheduler
@@ -77,9 +77,17 @@ def test_group_prefers_its_engine_while_it_has_room():
     assert place(policy, "prompt-b", 2_000) != first  # a new group goes where there is most room
 
 
+def test_group_memory_forgets_the_least_recently_placed_group():
+    policy = Admission(3, "static", group_memory=2)  # static: a remembered group goes home unconditionally
+    assert [place(policy, g, 10) for g in ["a", "b", "a", "c"]] == [0, 1, 0, 2]
+    assert list(policy._group_engine.items()) == [("a", 0), ("c", 2)]  # c evicted b (a was used since)
+    assert place(policy, "b", 10) == 0  # forgotten: the round-robin's next engine, not its old home
+
+
 def test_idle_engine_takes_one_trajectory_longer_than_its_cache():
     policy = Admission(1, "dynamic")
     policy.set_budget(0, 1_000)
+    assert policy.max_trajectories(0, 5_000) == 1  # K_e is at least one
     assert place(policy, "g", 5_000) == 0
     assert place(policy, "g", 5_000) is None
 
@@ -241,3 +249,76 @@ async def test_growth_following_reserve_sees_the_context_the_engine_reports(hf_e
         gen = await engine.generate(context, SamplingParams(max_tokens=8, seed=2))
         assert slot.reserved == len(context) + len(gen.token_ids)
     assert slot.reserved == 0 and slot.active == 0
+
+
+class _Clock:
+    """The scheduler's clock, advanced by hand: the metrics' arithmetic, without real time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _KVReporter:
+    """An engine seen from the scheduler's metrics: a name and its KV cache (it generates nothing here)."""
+
+    def __init__(self, name: str, total: int, preemptions: int = 0):
+        self.name, self.total, self.free, self.preemptions = name, total, total, preemptions
+
+    def capacity(self) -> KVCapacity:
+        return KVCapacity(self.total, self.free, self.preemptions)
+
+
+async def test_metrics_count_busy_idle_makespan_kv_and_preemptions_of_the_window():
+    clock, a, b = _Clock(), _KVReporter("a", 1_000, preemptions=3), _KVReporter("b", 1_000)
+    pool = RolloutScheduler([a, b], clock=clock)
+    clock.now = 10.0  # the window starts with its first lease, not at reset
+    first = pool.lease("g1", 600)
+    assert await first.__aenter__() is not None and pool.policy.slots[0].active == 1  # a: tie, the first
+    clock.now = 12.0
+    second = pool.lease("g2", 600)
+    await second.__aenter__()  # b: 600 more do not fit beside a's 600
+    a.free, a.preemptions = 250, 5
+    clock.now = 13.0
+    m = pool.metrics()  # mid-window: whatever runs counts up to now
+    assert (m["makespan_s"], m["in_flight"], m["waiting"], m["preemptions"]) == (3.0, 2, 0, 2)
+    ma, mb = m["engines"]
+    assert (ma["engine"], ma["busy_s"], ma["idle_s"], mb["busy_s"], mb["idle_s"]) == ("a", 3.0, 0.0, 1.0, 2.0)
+    assert (ma["kv_usage"], mb["kv_usage"], ma["kv_budget_tokens"], ma["preemptions"]) == (
+        0.75,
+        0.0,
+        1_000,
+        2,
+    )
+    assert (ma["in_flight"], ma["peak_in_flight"], ma["leases"], mb["leases"]) == (1, 1, 1, 1)
+    clock.now = 14.0
+    await first.__aexit__(None, None, None)
+    clock.now = 17.0
+    await second.__aexit__(None, None, None)
+    clock.now = 30.0  # idle since 17: the makespan ends at the last finish
+    m = pool.metrics()
+    assert (m["makespan_s"], m["in_flight"]) == (7.0, 0)
+    assert [(e["busy_s"], e["idle_s"], e["in_flight"]) for e in m["engines"]] == [
+        (4.0, 3.0, 0),
+        (5.0, 2.0, 0),
+    ]
+    pool.reset_metrics()  # the next window: nothing counted yet, preemptions from here on
+    m = pool.metrics()
+    assert (m["makespan_s"], m["preemptions"]) == (0.0, 0)
+    assert [(e["busy_s"], e["leases"], e["peak_in_flight"]) for e in m["engines"]] == [(0.0, 0, 0)] * 2
+
+
+async def test_a_window_reset_mid_flight_counts_the_running_engine_from_the_reset():
+    clock, a = _Clock(), _KVReporter("a", 1_000)
+    pool = RolloutScheduler([a], clock=clock)
+    running = pool.lease("g", 100)
+    await running.__aenter__()
+    clock.now = 5.0
+    pool.reset_metrics()
+    clock.now = 8.0
+    assert pool.metrics()["engines"][0]["busy_s"] == 3.0  # from the reset, not from the lease
+    await running.__aexit__(None, None, None)
+    clock.now = 9.0
+    assert pool.metrics()["engines"][0]["busy_s"] == 3.0
