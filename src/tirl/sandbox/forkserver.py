@@ -186,9 +186,7 @@ def _child(
         if not session:
             os.close(REQUEST_FD)
         limits = call_limits(req)
-        isolation.apply_limits(
-            limits, address_space + limits.memory_mb * MiB, with_nproc=plan.uid is not None
-        )
+        isolation.apply_limits(limits, address_space + limits.memory_mb * MiB, isolation.nproc_others(plan))
         os.write(cell.RESULT_FD, STARTED)
     except BaseException as exc:
         _fail(exc)

@@ -50,7 +50,8 @@ class Plan:
     netns_fd: int | None = None  # the shared empty network namespace (root only)
     userns: bool = False  # unprivileged: a user namespace provides the other namespaces
     namespaces: bool = True
-    # Root only: re-pointing our children's pid namespace back needs privilege over the host's.
+    # Each call is pid 1 of its own pid namespace. Unprivileged, the fork server is first made pid 1
+    # of a pid namespace our user namespace owns (zygote.py), so it may point its children back at it.
     pid_namespace: bool = True
     seccomp: bool = True
     cgroup: SlotCgroup = field(default_factory=SlotCgroup)
@@ -221,7 +222,18 @@ def protect_from_oom_killer() -> str | None:
 # ---- call: once per fork, in the child, before user code ----
 
 
-def apply_limits(limits: Limits, address_space: int, with_nproc: bool) -> None:
+def nproc_others(plan: Plan) -> int | None:
+    """How many processes outside the call count against its RLIMIT_NPROC (None: no such limit).
+
+    A per-slot uid counts exactly the call's processes. Unprivileged, the count is per user in the
+    slot's own user namespace: the slot's supervisor and fork server (and live sessions) share it.
+    """
+    if plan.uid is not None:
+        return 0
+    return 2 if plan.userns else None
+
+
+def apply_limits(limits: Limits, address_space: int, nproc_others: int | None) -> None:
     """The call's rlimits (lowering needs no privilege, so this runs after the uid drop)."""
     cpu = int(limits.timeout_s) + 1
     fsize = limits.file_size_mb * MiB
@@ -232,8 +244,9 @@ def apply_limits(limits: Limits, address_space: int, with_nproc: bool) -> None:
         (resource.RLIMIT_CORE, (0, 0)),
         (resource.RLIMIT_AS, (address_space, address_space)),
     ]
-    if with_nproc:  # processes of a per-slot uid = this call's processes: an exact per-call limit
-        values.append((resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs)))
+    if nproc_others is not None:
+        nproc = limits.max_procs + nproc_others
+        values.append((resource.RLIMIT_NPROC, (nproc, nproc)))
     for which, value in values:
         resource.setrlimit(which, value)
 
@@ -272,6 +285,8 @@ def confine_call(plan: Plan, seccomp: linux.SockFprog | None, workdir_mb: int) -
         fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the zygote shares the cgroup: kill us first
         os.write(fd, b"1000")
         os.close(fd)
+    if plan.userns:  # the zygote's user namespace gave us every capability in it: keep none
+        linux.drop_capabilities()
     if plan.uid is not None:
         os.setgroups([])
         os.setresgid(plan.uid, plan.uid, plan.uid)

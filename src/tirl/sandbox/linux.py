@@ -98,6 +98,23 @@ def pivot_root(new_root: str, put_old: str) -> None:
     _check(int(ret), "pivot_root")
 
 
+_SYS_CAPSET = {"x86_64": 126, "aarch64": 91}.get(os.uname().machine)
+_CAP_VERSION_3 = 0x20080522
+
+
+def drop_capabilities() -> None:
+    """Empty this process's effective, permitted and inheritable capability sets (capset(2)).
+
+    A process that entered a user namespace holds every capability inside it; code that should
+    run with none must drop them itself (ambient ones go with the permitted set).
+    """
+    if _SYS_CAPSET is None:
+        raise OSError(f"capset: unknown syscall number on {os.uname().machine}")
+    header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # two all-zero __user_cap_data_struct
+    _check(int(_libc.syscall(_SYS_CAPSET, header, data)), "capset")
+
+
 def sethostname(name: str) -> None:
     _check(_libc.sethostname(name.encode(), len(name)), "sethostname")
 

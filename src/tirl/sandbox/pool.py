@@ -206,9 +206,8 @@ class Sandbox:
             self._mode = "userns"
             self._missing += [
                 "not root: no per-slot uid (code runs as the service's uid inside a user namespace)",
-                "not root: no cgroup limits (memory is bounded by RLIMIT_AS only, processes by nothing but the pid namespace)",
+                "not root: no cgroup limits (memory is bounded by RLIMIT_AS only, processes by RLIMIT_NPROC per slot)",
                 "not root: each slot has its own empty network namespace instead of one shared",
-                "not root: no pid namespace per call (the call can see the host's process list)",
             ]  # fmt: skip
         else:
             self._mode = "none"
@@ -229,7 +228,7 @@ class Sandbox:
                     netns_fd=self._netns_fds[i] if self._netns_fds else None,
                     userns=self._mode == "userns",
                     namespaces=self._mode in ("root", "userns"),
-                    pid_namespace=self._mode == "root",
+                    pid_namespace=self._mode in ("root", "userns"),
                     seccomp=self.seccomp,
                     cgroup=self._cgroups[i] if self._cgroups else cgroups.SlotCgroup(),
                 )
@@ -539,7 +538,7 @@ class Sandbox:
             "mode": self._mode,
             "new_session": True,
             "die_with_parent": True,
-            "pid_namespace": root,
+            "pid_namespace": ns,
             "mount_namespace": ns,
             "ipc_namespace": ns,
             "uts_namespace": ns,
@@ -550,7 +549,7 @@ class Sandbox:
             "per_slot_uid": root,
             "no_new_privs": True,
             "seccomp_denylist": self.seccomp,
-            "rlimits": ["CPU", "FSIZE", "NOFILE", "CORE", "AS", *(["NPROC"] if root else [])],
+            "rlimits": ["CPU", "FSIZE", "NOFILE", "CORE", "AS", *(["NPROC"] if ns else [])],
             "cgroup_memory": cg.memory_dir is not None,
             "cgroup_pids": cg.pids_dir is not None,
             "cgroup_cpu_quota": cg.cpu_dir is not None,  # at most one CPU per slot

@@ -213,6 +213,8 @@ def serve_call(
     plan.cgroup.set_limits(limits.memory_mb * MiB + ZYGOTE_HEADROOM, limits.max_procs + 1)
     oom_before, cpu_before = plan.cgroup.oom_kills(), plan.cgroup.cpu_ns()
     run_wait: list[float | None] = [None]
+    # Only with the slot's CPU accounting (root): there the fork server's pids are the host's too.
+    watch_wait = plan.cgroup.active
     start = time.monotonic()
     # The request as a small JSON header, then stdin as raw bytes the child streams into its stdin
     # file: a large stdin is never parsed (nor held twice) inside the call's memory limit.
@@ -222,7 +224,7 @@ def serve_call(
     try:
         got = capture.collect(
             child.pidfd, child.stdout, child.stderr, child.result, start + limits.timeout_s, limits.keep_bytes,
-            limits.output_bytes, before_kill=lambda: run_wait.__setitem__(0, _run_wait_ms(child.pid)),
+            limits.output_bytes, before_kill=lambda: run_wait.__setitem__(0, _run_wait_ms(child.pid) if watch_wait else None),
             send=(request, framing.encode(header) + stdin),
         )  # fmt: skip
     finally:
@@ -245,6 +247,11 @@ def _start_fork_server(
 ) -> socket.socket:
     """Fork the fork server now, while this process has seen no call; returns our end of its socket."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if plan.userns and plan.pid_namespace:
+        # The fork server becomes pid 1 of a pid namespace our user namespace owns: it may then
+        # point its children's pid namespace back at its own (the host's needs root), so each
+        # call is again pid 1 of a namespace of its own.
+        linux.unshare(linux.CLONE_NEWPID)
     if os.fork() == 0:
         try:
             ours.close()
