@@ -207,6 +207,29 @@ async def test_a_lone_surrogate_never_breaks_a_result(pool, service):
 
 
 @session_loop
+async def test_a_lone_surrogate_in_stdin_is_the_programs_text_not_a_sandbox_error(pool, service):
+    """A model's tool call can carry "\\ud800" in its code or input: the client used to fail to send
+    it, the supervisor to raise on it (sandbox_error: retried, dropped from the loss; zygote recycled)."""
+    code = "print(repr(input()))"
+    r = await pool.run(code, stdin="a\ud800b\udc80c")
+    assert (r.status, r.stdout) == (Status.OK, "'a\\\\ud800b\\\\x80c'\n"), r
+    # through SandboxClient and HTTP: httpx used to refuse to encode the body (sandbox_error, retried)
+    got = await service.run_batch(
+        [{"code": code, "stdin": "\udfff"}, {"code": "s = '\ud800'\nprint(len(s))"}, {"code": "print(1)"}]
+    )
+    assert [(x.status, x.stdout) for x in got] == [
+        (Status.OK, "'\\\\udfff'\n"),
+        (Status.RUNTIME_ERROR, ""),  # source Python cannot compile: the program's error, not the sandbox's
+        (Status.OK, "1\n"),
+    ], got
+    assert "surrogates not allowed" in got[1].message, got[1]
+    async with await pool.open_session() as session:
+        r = await session.run("s = input()\nlen(s)", stdin="\ud800")
+        assert (r.status, r.stdout) == (Status.OK, "6\n"), r
+        assert (await session.run("s")).stdout == "'\\\\ud800'\n", "the session lives on"
+
+
+@session_loop
 async def test_large_stdin_with_small_memory_is_refused_and_the_slot_survives(pool, service):
     async with _http(service) as http:
         resp = await http.post("/run", json={"code": "print(len(input()))", "stdin": "x" * (40 << 20),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,13 @@ from dataclasses import dataclass, field
 import httpx
 
 from tirl.sandbox.result import ExecResult, Status
+
+
+def _json(body: object) -> dict:
+    """A JSON request body as ASCII: httpx's json= writes UTF-8 and raises on a lone surrogate (a
+    model's tool call may carry "\\ud800"), which would end the call as a sandbox error."""
+    return {"content": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}}
+
 
 QUEUE_ALLOWANCE_S = 120.0  # how long the server may queue a batch before it answers
 
@@ -130,7 +138,7 @@ class SandboxClient:
             body["limits"] = limits if limits is not None else self.default_limits
         if (t := timeout if timeout is not None else self.default_timeout) is not None:
             body["timeout"] = t
-        resp = await self._http.post(f"{ep.url}/sessions", json=body, timeout=QUEUE_ALLOWANCE_S)
+        resp = await self._http.post(f"{ep.url}/sessions", **_json(body), timeout=QUEUE_ALLOWANCE_S)
         if resp.status_code != 200:
             raise RuntimeError(
                 f"{ep.url} could not open a session: HTTP {resp.status_code} {resp.text[:300]}"
@@ -201,7 +209,7 @@ class SandboxClient:
         timeout = max(p.payload.get("timeout") or 30.0 for p in chunk) + QUEUE_ALLOWANCE_S
         try:
             resp = await self._http.post(
-                f"{ep.url}/run/batch", json={"calls": [p.payload for p in chunk]}, timeout=timeout
+                f"{ep.url}/run/batch", **_json({"calls": [p.payload for p in chunk]}), timeout=timeout
             )
             if resp.status_code == 200:
                 results = [ExecResult.from_dict(d) for d in resp.json()["results"]]
@@ -262,7 +270,7 @@ class RemoteSession:
         wait = (timeout or 30.0) + QUEUE_ALLOWANCE_S
         try:
             resp = await self._client._http.post(
-                f"{self.url}/sessions/{self.id}/run", json=payload, timeout=wait
+                f"{self.url}/sessions/{self.id}/run", **_json(payload), timeout=wait
             )
         except httpx.HTTPError as exc:
             return ExecResult(Status.SANDBOX_ERROR, message=f"{self.url}: {exc!r}")

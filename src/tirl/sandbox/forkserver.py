@@ -208,7 +208,7 @@ def _set_stdin(req: dict) -> None:
             os.write(stdin_fd, chunk)
             left -= len(chunk)
     else:
-        os.write(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
+        os.write(stdin_fd, framing.text_bytes(req.get("stdin", "")))
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     os.dup2(stdin_fd, 0)
     os.close(stdin_fd)

@@ -218,7 +218,7 @@ def serve_call(
     start = time.monotonic()
     # The request as a small JSON header, then stdin as raw bytes the child streams into its stdin
     # file: a large stdin is never parsed (nor held twice) inside the call's memory limit.
-    stdin = req.get("stdin", "").encode("utf-8", "surrogateescape")
+    stdin = framing.text_bytes(req.get("stdin", ""))
     header = {k: v for k, v in req.items() if k != "stdin"} | {"stdin_bytes": len(stdin)}
     request, child.request = child.request, -1  # collect() writes it and closes it
     try:
