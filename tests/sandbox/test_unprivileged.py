@@ -67,6 +67,12 @@ except OSError as e:
     print(n, e.errno)
 '''
 
+LISTEN = "import socket\ns = socket.socket(socket.AF_UNIX)\ns.bind('\\0tirl-meet')\ns.listen()\nprint('listening')"
+CONNECT = (
+    "import socket\nc = socket.socket(socket.AF_UNIX)\ntry:\n    c.connect('\\0tirl-meet')\n    print('met')\n"
+    "except OSError as e:\n    print(type(e).__name__)"
+)
+
 def comms():
     names = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -98,6 +104,11 @@ async def main():
         out["kill_all"] = r.stdout.strip()
         r = await sb.run("print('still serving')")
         out["after"] = r.stdout.strip()
+        async with await sb.open_session() as session:  # lives on: it must not meet the slot's calls
+            r = await session.run(LISTEN)
+            out["session_listens"] = r.stdout.strip()
+            r = await sb.run(CONNECT)
+            out["call_connects"] = r.stdout.strip()
     print(json.dumps(out))
 
 asyncio.run(main())
@@ -164,3 +175,10 @@ def test_unprivileged_calls_cannot_outlive_or_kill_anything(unprivileged_run):
     assert errno == "11" and int(count) < 8, unprivileged_run["forks"]  # EAGAIN at max_procs (RLIMIT_NPROC)
     assert unprivileged_run["kill_all"] == "nobody else", "kill(-1) reaches nothing outside the call"
     assert unprivileged_run["after"] == "still serving"
+
+
+def test_unprivileged_sessions_cannot_meet_the_slots_calls(unprivileged_run):
+    """A session used to share its slot's network namespace: abstract unix sockets (and the file
+    descriptors they pass) connected it to every later call of that slot."""
+    assert unprivileged_run["session_listens"] == "listening"
+    assert unprivileged_run["call_connects"] == "ConnectionRefusedError"

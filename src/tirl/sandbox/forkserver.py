@@ -112,7 +112,7 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
             break
         if command.startswith(SESSION):
             uid = int(command[1:]) if command[1:] else plan.uid
-            session_plan = dataclasses.replace(plan, uid=uid, own_network=plan.namespaces and not plan.userns)
+            session_plan = dataclasses.replace(plan, uid=uid, own_network=plan.namespaces)
             pid = _prepare(sock, session_plan, seccomp, own_pidns, workdir_mb)
             sessions[os.pidfd_open(pid)] = pid
             continue
