@@ -135,6 +135,16 @@ async def test_every_failed_attempt_fails_its_way(sandbox, kind):
         assert all(sign in result.render() for sign in FAILURE_SIGNS[kind]), result.render()
 
 
+@pytest.mark.asyncio(loop_scope="package")
+async def test_a_failed_attempt_that_runs_fine_is_refused(sandbox):
+    """A trace must never say that a working call failed (a brute force that beats the timeout)."""
+    problems = generate(8, "train", seed=11, families=["sum_big"])
+    for p in problems:
+        p.meta["brute_force"] = p.meta["code"]  # as if this machine ran the brute force in time
+    with pytest.raises(RuntimeError, match=r"\(timeout\) at syn-.* ran without error"):
+        await make_traces(problems, sandbox, CFG, TraceMix(no_tool=0, code_fix=1, give_up=0), seed=5)
+
+
 def test_mix_must_fit():
     with pytest.raises(ValueError, match=r"no_tool \+ code_fix \+ give_up"):
         TraceMix(no_tool=0.6, code_fix=0.3, give_up=0.2)

@@ -218,7 +218,8 @@ async def make_traces(
     )
     gate = asyncio.Semaphore(16)
 
-    async def run(code: str) -> str:
+    async def run(code: str) -> tuple[bool, str]:
+        """(whether the call ran without error, the tool-response text the model sees)."""
         for attempt in range(INFRA_RETRIES + 1):  # a starved, queued-out or lost call is the machine's fault
             async with gate:
                 try:  # the agent loop's hard cap on one call, too: a lost call must not hang the demo
@@ -240,10 +241,18 @@ async def make_traces(
                 f"the sandbox failed {INFRA_RETRIES + 1} times while making SFT traces ({what}); "
                 "if the machine is overloaded, rerun when it is quieter"
             )
-        return truncate_middle(result.render(show_time=cfg.show_exec_time), cfg.tool_output_max_chars)
+        text = truncate_middle(result.render(show_time=cfg.show_exec_time), cfg.tool_output_max_chars)
+        return result.ok, text
 
-    outputs = dict(zip(snippets, await asyncio.gather(*(run(c) for c in snippets)), strict=True))
+    results = dict(zip(snippets, await asyncio.gather(*(run(c) for c in snippets)), strict=True))
+    outputs = {code: text for code, (_, text) in results.items()}
     for pl in plans:
+        if pl.failed_code and results[pl.failed_code][0]:
+            raise RuntimeError(
+                f"the failed first attempt ({pl.failure}) at {pl.problem.id} ran without error, so its trace "
+                f"would say a working call failed: {pl.failed_code!r}. Lower agent.tool_timeout "
+                f"({cfg.tool_timeout} s) below what this machine needs to run it"
+            )
         if (
             pl.kind in ("tool", "code_fix")
             and _printed_value(outputs[_code_of(pl.problem)]) != pl.problem.answer

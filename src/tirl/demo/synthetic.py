@@ -7,7 +7,7 @@ number (tirl.tiny_model). The code only COPIES numbers from the statement (no me
 `n + 1`), so a tiny model can learn to write it, while guessing the answer without running it fails.
 
 Two families make the paper's noisy-success regime exist (see tirl.demo.sft_traces for the errors):
-  - sum_big: the obvious brute force (`sum(range(...))` over hundreds of millions) TIMES OUT; only the
+  - sum_big: the obvious brute force (a loop over hundreds of millions) TIMES OUT; only the
     closed form runs in time, the tiny-scale stand-in for slow brute-force code in competition math;
   - last_digit: the last digit of b^e in a small base has 3-7 possible values, so a guess without the
     tool is right by luck 14-33% of the time: outcome-only reward credits it like a real solution.
@@ -118,7 +118,9 @@ FAMILIES: tuple[TaskFamily, ...] = (
         ),
         code="N = {n} * 10**6\nprint(N * (N + 1) // 2 % {m})",
         solve=lambda n, m: (n * 10**6) * (n * 10**6 + 1) // 2 % m,
-        brute_force="print(sum(range(1, {n} * 10**6 + 1)) % {m})",
+        # A Python-level loop (>= ~30 ns a step on any CPU): hundreds of millions of steps time out
+        # with a wide margin; `sum(range(...))` runs in C and can finish in 2-3 s on an idle core.
+        brute_force="total = 0\nfor k in range(1, {n} * 10**6 + 1):\n    total += k\nprint(total % {m})",
     ),
     TaskFamily(
         name="last_digit",
