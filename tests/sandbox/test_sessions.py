@@ -127,3 +127,31 @@ async def test_a_session_cannot_meet_other_calls_or_sessions(pool):
             refused, uid = o.stdout.split()
             assert refused == "ConnectionRefusedError", o
             assert int(uid) != first_uid, "a session must not share its uid with other code"
+
+
+SPIN = "import threading\nticks = [0]\ndef spin():\n    while True:\n        ticks[0] += 1\nthreading.Thread(target=spin, daemon=True).start()"
+FORGED_END = "import os\nos.write(3, b'\\x00done\\n')\nwhile True:\n    pass"
+
+
+@session_loop
+async def test_nothing_of_a_session_runs_between_its_cells(pool):
+    """A thread a cell leaves spinning, or a cell that forges the in-band end-of-cell marker to return
+    early, used to keep computing (up to the idle expiry) outside any slot, taking the CPU the
+    slots' calls were promised. Between cells the session is frozen; it resumes in its next cell."""
+    if not pool.features()["active"]["cgroup_cpu_quota"]:
+        pytest.skip("no cgroups here: sessions cannot be frozen between cells")
+    async with await pool.open_session() as session:
+        assert (await session.run(SPIN)).status == Status.OK
+        used = session.cgroup.cpu_ns()
+        await asyncio.sleep(1.0)  # room for a leak to show: the assertion is on CPU, not on time
+        assert session.cgroup.cpu_ns() - used < 20e6, "the spinning thread ran between cells"
+        r = await session.run("ticks[0] > 0")
+        assert (r.status, r.stdout) == (Status.OK, "True\n"), "it resumes within the session's cells"
+    async with await pool.open_session() as session:
+        r = await session.run(FORGED_END, timeout=2)
+        assert r.status == Status.OK and not r.stdout, r  # what the forger got: an early, empty 'ok'
+        used = session.cgroup.cpu_ns()
+        await asyncio.sleep(1.0)
+        assert session.cgroup.cpu_ns() - used < 20e6, "the forged cell ran on after 'ending'"
+        r = await session.run("print('next')", timeout=2)
+        assert r.status == Status.TIMEOUT and r.extra.get("session_lost"), "its next cell pays for it"

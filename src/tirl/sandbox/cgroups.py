@@ -48,6 +48,7 @@ class SlotCgroup:
     cpu_dir: str | None = None
     cpuacct_dir: str | None = None
     v2: bool = False
+    freezer_dir: str | None = None  # sessions only: frozen between their cells
     _fds: dict = field(default_factory=dict)
     _written: dict = field(default_factory=dict)
 
@@ -58,7 +59,11 @@ class SlotCgroup:
 
     def dirs(self) -> list[str]:
         return list(
-            dict.fromkeys(d for d in (self.memory_dir, self.pids_dir, self.cpu_dir, self.cpuacct_dir) if d)
+            dict.fromkeys(
+                d
+                for d in (self.memory_dir, self.pids_dir, self.cpu_dir, self.cpuacct_dir, self.freezer_dir)
+                if d
+            )
         )
 
     def _files(self) -> dict[str, tuple[str, int]]:
@@ -76,6 +81,9 @@ class SlotCgroup:
         if self.cpuacct_dir:
             usage = "cpu.stat" if self.v2 else "cpuacct.usage"
             files["cpu_usage"] = (f"{self.cpuacct_dir}/{usage}", os.O_RDONLY)
+        if self.freezer_dir:
+            state = "cgroup.freeze" if self.v2 else "freezer.state"
+            files["freeze"] = (f"{self.freezer_dir}/{state}", os.O_WRONLY)
         return files
 
     def open(self) -> None:
@@ -89,6 +97,12 @@ class SlotCgroup:
     def set_limits(self, memory_bytes: int, max_procs: int) -> None:
         self._write("memory_limit", str(memory_bytes))
         self._write("pids_max", str(max_procs))
+
+    def freeze(self, frozen: bool) -> None:
+        """Stop (or resume) every process of the group, whatever it does; no-op without a freezer."""
+        if "freeze" in self._fds:
+            state = (b"1" if frozen else b"0") if self.v2 else (b"FROZEN" if frozen else b"THAWED")
+            os.write(self._fds["freeze"], state)
 
     def join(self, pid: int | None = None) -> None:
         """Move a process (default: the caller) into the groups; its future children are born there."""
@@ -126,7 +140,7 @@ class SlotCgroup:
 
     def to_dict(self) -> dict:
         return {"memory_dir": self.memory_dir, "pids_dir": self.pids_dir, "cpu_dir": self.cpu_dir,
-                "cpuacct_dir": self.cpuacct_dir, "v2": self.v2}  # fmt: skip
+                "cpuacct_dir": self.cpuacct_dir, "v2": self.v2, "freezer_dir": self.freezer_dir}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> SlotCgroup:
@@ -162,7 +176,7 @@ def _remove_stale(parent: Path) -> None:
                     path.rmdir()
 
 
-def _create_v2(base: Path, slots: int, notes: list[str]) -> list[SlotCgroup]:
+def _create_v2(base: Path, slots: int, notes: list[str], freezer: bool) -> list[SlotCgroup]:
     """cgroup v2: works where our cgroup may delegate memory and pids to children."""
     _remove_stale(base.parent)
     try:
@@ -185,16 +199,20 @@ def _create_v2(base: Path, slots: int, notes: list[str]) -> list[SlotCgroup]:
     groups = []
     for d in dirs:
         if d and cpu and _write(Path(d) / "cpu.max", f"{CPU_PERIOD_US} {CPU_PERIOD_US}"):
-            groups.append(SlotCgroup(d, d, d, d, v2=True))
+            groups.append(SlotCgroup(d, d, d, d, v2=True, freezer_dir=d if freezer else None))
         else:
-            groups.append(SlotCgroup(d, d, v2=True) if d else SlotCgroup())
+            groups.append(
+                SlotCgroup(d, d, v2=True, freezer_dir=d if freezer else None) if d else SlotCgroup()
+            )
     return groups
 
 
-def _create_v1(own: dict[str, str], service: str, slots: int, notes: list[str]) -> list[SlotCgroup]:
+def _create_v1(
+    own: dict[str, str], service: str, slots: int, notes: list[str], freezer: bool
+) -> list[SlotCgroup]:
     """cgroup v1: one directory per slot in the memory and in the pids hierarchy."""
     per_controller = {}
-    for controller in ("memory", "pids", "cpu", "cpuacct"):
+    for controller in ("memory", "pids", "cpu", "cpuacct", *(["freezer"] if freezer else [])):
         if controller in own and (ROOT / controller).is_dir():
             base = ROOT / controller / own[controller].lstrip("/") / service
             _remove_stale(base.parent)
@@ -210,23 +228,33 @@ def _create_v1(own: dict[str, str], service: str, slots: int, notes: list[str]) 
             and _write(Path(d) / "cpu.cfs_quota_us", str(CPU_PERIOD_US))
         ):
             cpu[i] = None
-    memory, pids, cpuacct = (per_controller.get(c, [None] * slots) for c in ("memory", "pids", "cpuacct"))
-    return [SlotCgroup(*dirs) for dirs in zip(memory, pids, cpu, cpuacct, strict=True)]
+    memory, pids, cpuacct, frozen = (
+        per_controller.get(c, [None] * slots) for c in ("memory", "pids", "cpuacct", "freezer")
+    )
+    return [
+        SlotCgroup(m, p, c, a, freezer_dir=f)
+        for m, p, c, a, f in zip(memory, pids, cpu, cpuacct, frozen, strict=True)
+    ]
 
 
-def create_slot_cgroups(service: str, slots: int) -> tuple[list[SlotCgroup], list[str]]:
-    """Create one cgroup per slot below our own; returns them and notes about what is unavailable."""
+def create_slot_cgroups(
+    service: str, slots: int, freezer: bool = False
+) -> tuple[list[SlotCgroup], list[str]]:
+    """Create one cgroup per slot below our own; returns them and notes about what is unavailable.
+
+    `freezer`: also a freezer group (sessions, frozen between cells).
+    """
     notes: list[str] = []
     own = _own_paths()
     if (ROOT / "cgroup.controllers").exists():  # pure cgroup v2
-        return _create_v2(ROOT / own.get("", "/").lstrip("/") / service, slots, notes), notes
-    return _create_v1(own, service, slots, notes), notes
+        return _create_v2(ROOT / own.get("", "/").lstrip("/") / service, slots, notes, freezer), notes
+    return _create_v1(own, service, slots, notes, freezer), notes
 
 
 def remove_slot_cgroups(groups: list[SlotCgroup]) -> None:
     """Remove the slot groups and their parents (best effort: empty groups only)."""
     for g in groups:
-        for d in {g.memory_dir, g.pids_dir, g.cpu_dir, g.cpuacct_dir} - {None}:
+        for d in set(g.dirs()):
             for path in (Path(d), Path(d).parent):
                 with contextlib.suppress(OSError):
                     path.rmdir()

@@ -414,10 +414,11 @@ class Sandbox:
         return forkserver.receive(slot.handoff), not reply.get("recycle")
 
     def _session_cgroup(self, pid: int, limits: Limits) -> cgroups.SlotCgroup:
-        """The session's own cgroup (memory, processes, one CPU): its memory is never a slot's."""
+        """The session's own cgroup (memory, processes, one CPU, frozen between cells): its memory is
+        never a slot's, and it computes only while a cell of it holds a slot."""
         if self._mode != "root":
             return cgroups.SlotCgroup()
-        groups, _ = cgroups.create_slot_cgroups(cgroups.service_name(), 1)
+        groups, _ = cgroups.create_slot_cgroups(cgroups.service_name(), 1, freezer=True)
         group = groups[0]
         group.open()
         group.set_limits(limits.memory_mb * MiB, limits.max_procs)

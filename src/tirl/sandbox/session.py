@@ -4,10 +4,12 @@ The paper's release replays every earlier cell of a trajectory on each call (cos
 number of calls); a session instead keeps one interpreter alive, so variables, imports and
 functions stay defined. Its process is prepared exactly like a stateless call's (fork server,
 namespaces, allowlisted root, uid, seccomp, rlimits) and then handed to the pool, which owns it:
-it gets its own cgroup (memory, processes, one CPU), the pool writes each cell to it and reads
-its output until the runner's end-of-cell marker. A cell that times out or exceeds the output
-cap kills the session (its state cannot be trusted half-way through a cell); one killed for
-memory is lost too. Every later call then says clearly that the session is gone.
+it gets its own cgroup (memory, processes, one CPU; frozen between cells, so nothing of it computes
+outside a cell), the pool writes each cell to it and reads its output until the runner's
+end-of-cell marker (in-band: user code can forge it, but then only ends its own cell early and
+stays frozen). A cell that times out or exceeds the output cap kills the session (its state
+cannot be trusted half-way through a cell); one killed for memory is lost too. Every later call
+then says clearly that the session is gone.
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ class Session:
         for fd in (self.child.stdout, self.child.stderr, self.child.result):
             os.set_blocking(fd, False)
         req = {"session": True, "code": "", "stdin": "", "limits": process_limits.model_dump()}
-        return await self._exchange(req, self.limits.timeout_s + 10, first=True)
+        result = await self._exchange(req, self.limits.timeout_s + 10, first=True)
+        self._pause()
+        return result
 
     async def run_cell(self, code: str, stdin: str, timeout: float) -> ExecResult:
         """Run one cell in the session's namespace (the caller holds a slot of the pool)."""
@@ -84,7 +88,9 @@ class Session:
             if self.lost is not None:
                 return _gone(self.lost)
             self.last_used = time.monotonic()
+            self.cgroup.freeze(False)
             result = await self._exchange({"code": code, "stdin": stdin}, timeout or self.limits.timeout_s)
+            self._pause()
             self.calls += 1
             self.last_used = time.monotonic()
             return result
@@ -197,7 +203,15 @@ class Session:
             if fd >= 0:
                 loop.remove_reader(fd)
 
+    def _pause(self) -> None:
+        """Between cells nothing of the session runs: not a thread a cell left spinning, not a cell
+        that wrote the end-of-cell marker itself to return early (that marker is in-band: user code
+        can forge it). Whatever it was doing resumes in, and counts against, its next cell."""
+        if self.lost is None:
+            self.cgroup.freeze(True)
+
     def _kill(self) -> None:
+        self.cgroup.freeze(False)  # a frozen process cannot act on SIGKILL until thawed (cgroup v1)
         with contextlib.suppress(OSError):
             signal.pidfd_send_signal(self.child.pidfd, signal.SIGKILL)  # pid 1: its whole namespace goes
 
