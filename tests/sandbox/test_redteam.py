@@ -155,6 +155,14 @@ async def test_user_code_cannot_pose_as_an_infrastructure_failure(pool, name):
     assert r.status in (Status.RUNTIME_ERROR, Status.KILLED_BY_SIGNAL), r
 
 
+@session_loop
+async def test_a_call_cannot_pin_itself_to_a_busy_cpu(pool):
+    """Pinned to a CPU that other processes keep busy, a spinning call got under 10% of a CPU while
+    waiting to run: its own time-out read as `starved` (retried, dropped from the loss)."""
+    r = await pool.run("import os\nprint(len(os.sched_getaffinity(0)) > 0)\nos.sched_setaffinity(0, {0})")
+    assert (r.status, r.stdout) == (Status.RUNTIME_ERROR, "True\n") and "PermissionError" in r.message, r
+
+
 def _collected(result: bytes, killed: str | None = None) -> Collected:
     return Collected(StreamCapture(64), StreamCapture(64), result, killed)
 
@@ -175,6 +183,17 @@ def test_starvation_is_told_from_a_slow_program(watch, expected):
     r = _classify(_collected(STARTED, killed="timeout"), watch, LIMITS)
     assert r.status == expected, r
     assert (expected in INFRA_STATUSES) == r.is_infra_error
+
+
+def test_a_report_written_by_user_code_cannot_bloat_the_result():
+    """The result pipe keeps 64 KiB at each end: a report line user code wrote there was a message of that size."""
+    raw = (
+        STARTED + b'{"outcome": "error", "error": "' + b"x" * 60000 + b'", "type": "' + b"y" * 3000 + b'"}\n'
+    )
+    r = _classify(_collected(raw), Watch(1 << 8, 5, False, None, None), LIMITS)
+    assert (
+        r.status == Status.RUNTIME_ERROR and len(r.message) == 1000 and len(r.extra["error_type"]) == 1000
+    ), r
 
 
 def test_classification_never_raises_and_trusts_nothing_after_start():

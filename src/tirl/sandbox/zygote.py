@@ -84,6 +84,8 @@ def _warm_up(modules: list[str], cells: list[str]) -> None:
 
 # Outcomes the runner reports after user code (cell.py); anything else on the result pipe is ignored.
 _OUTCOMES = frozenset({"ok", "syntax_error", "exit", "memory_error", "error"})
+# The runner's own texts are far shorter (cell._describe); a report user code wrote can be any size.
+REPORT_TEXT_CHARS = 1000
 
 
 def _last_report(raw: bytes, outcomes: frozenset[str]) -> dict:
@@ -94,7 +96,9 @@ def _last_report(raw: bytes, outcomes: frozenset[str]) -> dict:
         except (ValueError, RecursionError):
             continue
         if isinstance(info, dict) and info.get("outcome") in outcomes:
-            return {k: v if isinstance(v, bool | int) else str(v) for k, v in info.items()}
+            return {
+                k: v if isinstance(v, bool | int) else str(v)[:REPORT_TEXT_CHARS] for k, v in info.items()
+            }
     return {}
 
 
