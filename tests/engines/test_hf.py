@@ -189,3 +189,37 @@ async def test_factory_errors(tiny_model_dir):
         build_engines(EngineConfig(model=""))
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         load_tokenizer("/nonexistent/model")
+
+
+async def test_sleep_on_cpu_frees_nothing_and_says_so(engine, prompts):
+    """On CPU the weights already live in host memory and the KV cache only exists while requests
+    run: sleep() reports that it freed nothing, and the engine keeps serving."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    before = await engine.generate(prompts[0], params)
+    assert engine.sleep() is False
+    engine.wake_up()
+    assert (await engine.generate(prompts[0], params)).token_ids == before.token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a lent one)")
+async def test_sleep_on_a_gpu_frees_the_weights_and_wakes_up_the_same(tiny_model_dir, prompts):
+    """Colocated with a trainer rank on one GPU: asleep, the engine holds no device memory (weights
+    moved to the host, cached blocks returned to CUDA) and takes no requests; awake, it samples
+    exactly what it sampled before."""
+    [gpu] = build_engines(
+        EngineConfig(model=str(tiny_model_dir), device="cuda:0", max_model_len=512, max_batch_size=8)
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=5)
+    try:
+        before = await asyncio.gather(*(gpu.generate(p, params) for p in prompts[:4]))
+        weights = sum(t.nbytes for t in [*gpu.model.parameters(), *gpu.model.buffers()])
+        awake, held = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        assert gpu.sleep() is True
+        assert torch.cuda.memory_allocated() <= awake - weights and torch.cuda.memory_reserved() < held
+        with pytest.raises(RuntimeError, match="asleep"):
+            await gpu.generate(prompts[0], params)
+        gpu.wake_up()
+        after = await asyncio.gather(*(gpu.generate(p, params) for p in prompts[:4]))
+        assert [a.token_ids for a in after] == [b.token_ids for b in before]
+    finally:
+        await gpu.close()

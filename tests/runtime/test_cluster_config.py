@@ -57,7 +57,8 @@ def test_missing_ray_is_one_clear_line(tmp_path):
 
 
 def test_the_paper_cluster_layout_loads_and_adds_up():
-    """configs/rstar2/cluster_64gpu.yaml with the recipe: 64 engines + 64 ranks at 0.5 GPU = 8 x 8 GPUs."""
+    """configs/rstar2/cluster_64gpu.yaml with the recipe: 64 engines colocated with 64 ranks, one bundle
+    of 1 GPU per pair = 8 x 8 GPUs."""
     pytest.importorskip("ray")
     rstar2 = Path(__file__).parents[2] / "src/tirl/configs/rstar2"
     cfg = load_config(
@@ -67,4 +68,35 @@ def test_the_paper_cluster_layout_loads_and_adds_up():
     )
     c = cfg.cluster
     assert c.backend == "ray" and c.sandbox.resource == "sandbox_node"
-    assert cfg.engine.num_engines * c.engines.num_gpus + c.trainer.ranks * c.trainer.num_gpus == 64
+    assert c.colocate and cfg.engine.enable_sleep_mode
+    assert cfg.engine.num_engines == c.trainer.ranks and c.trainer.ranks * c.trainer.num_gpus == 64
+
+
+def test_colocate_is_validated(tmp_path):
+    """cluster.colocate: engine i and trainer rank i share one bundle, so they must ask for the same
+    devices, one engine per rank, and vLLM on GPUs must be able to sleep."""
+    pytest.importorskip("ray")
+    ray = ["cluster.backend=ray", "cluster.colocate=true", "cluster.trainer.ranks=2", "engine.num_engines=2"]
+    cfg = load_config(TrainConfig, _config(tmp_path), ray)
+    assert cfg.cluster.colocated
+    assert not load_config(TrainConfig, _config(tmp_path), ray[:1]).cluster.colocated
+    assert load_config(TrainConfig, _config(tmp_path)).cluster.colocated  # local: engine i on cuda:i
+    bad = {
+        "cluster.colocate is for backend=ray": ["cluster.colocate=true"],
+        "engine.num_engines=1 and cluster.trainer.ranks=2": [*ray, "engine.num_engines=1"],
+        r"cluster\.engines\.num_gpus=1 differs from cluster\.trainer\.num_gpus=0": [
+            *ray, "cluster.engines.num_gpus=1",
+        ],
+        "num_gpus=2, but a colocated engine and rank share one GPU": [
+            *ray, "cluster.engines.num_gpus=2", "cluster.trainer.num_gpus=2",
+        ],
+        r"cluster\.engines\.resources=\{'gpu_node': 1\.0\} and cluster\.trainer\.resources=\{\} differ": [
+            *ray, "cluster.engines.resources={gpu_node: 1}",
+        ],
+        "set engine.enable_sleep_mode=true": [
+            *ray, "engine.backend=vllm", "cluster.engines.num_gpus=1", "cluster.trainer.num_gpus=1",
+        ],
+    }  # fmt: skip
+    for message, overrides in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(TrainConfig, _config(tmp_path), overrides)

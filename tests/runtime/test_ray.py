@@ -21,11 +21,13 @@ from tirl.config import load_config  # noqa: E402
 from tirl.data.problem import Problem  # noqa: E402
 from tirl.engines.config import EngineConfig  # noqa: E402
 from tirl.reward import RewardConfig  # noqa: E402
+from tirl.rl.checkpoint import latest_checkpoint  # noqa: E402
 from tirl.rl.config import TrainConfig  # noqa: E402
 from tirl.rl.metrics import read_metrics  # noqa: E402
-from tirl.rl.trainer import run_training  # noqa: E402
+from tirl.rl.trainer import open_cluster_placement, run_training  # noqa: E402
 from tirl.runtime import ClusterConfig, generate, open_runtime, score  # noqa: E402
-from tirl.runtime.ray import ClusterError  # noqa: E402
+from tirl.runtime.ray_cluster import ClusterError  # noqa: E402
+from tirl.runtime.ray_learner import open_ray_learner  # noqa: E402
 from tirl.sandbox import SandboxConfig  # noqa: E402
 
 PROBLEMS = [("p1", "What is 12 + 30?", "42"), ("p2", "What is 7 * 6?", "42"), ("p3", "What is 2 ** 5?", "32")]
@@ -33,15 +35,16 @@ PROBLEMS = [("p1", "What is 12 + 30?", "42"), ("p2", "What is 7 * 6?", "42"), ("
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Head + one worker node, 4 logical CPUs each (the machine has 2 cores: Ray only counts)."""
+    """Head + one worker node, 4 logical CPUs and 2 logical GPUs each (the machine has 2 cores and no
+    GPU: Ray only counts; the GPUs let the placement tests see which device each actor was given)."""
     from ray.cluster_utils import Cluster
 
     quiet = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
     c = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 4, "include_dashboard": False, "_system_config": quiet},
+        head_node_args={"num_cpus": 4, "num_gpus": 2, "include_dashboard": False, "_system_config": quiet},
     )
-    c.add_node(num_cpus=4)
+    c.add_node(num_cpus=4, num_gpus=2)
     ray.init(address=c.address, include_dashboard=False, namespace="tirl-test", log_to_driver=False)
     yield c
     ray.shutdown()
@@ -95,8 +98,7 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    (model_dir,) = (run_dir / "checkpoints").glob("step_*/model")
-    return _weights(model_dir)
+    return _weights(latest_checkpoint(run_dir) / "model")
 
 
 def test_two_step_grpo_roc_on_two_nodes_matches_local(cluster, tiny_model_dir, tmp_path):
@@ -206,8 +208,8 @@ def test_clear_errors_for_unreachable_address_and_missing_resources(cluster, tin
         async with open_runtime(cc, _engine_cfg(tiny_model_dir), SandboxConfig(mode="inprocess"), None):
             pass
 
-    with pytest.raises(ClusterError, match=r"cluster\.engines asks for 1 'GPU' per actor, but no node"):
-        asyncio.run(open_with(_cluster_cfg(cluster, engines={"num_gpus": 1})))
+    with pytest.raises(ClusterError, match=r"cluster\.engines asks for 3 'GPU' per actor, but no node"):
+        asyncio.run(open_with(_cluster_cfg(cluster, engines={"num_gpus": 3})))
     with pytest.raises(ClusterError, match="'engine_node'"):
         asyncio.run(open_with(_cluster_cfg(cluster, engines={"resources": {"engine_node": 1}})))
     with pytest.raises(ClusterError, match=r"5 'CPU' per actor.*largest: 4"):
@@ -222,7 +224,7 @@ def test_unreachable_address_is_one_clear_error():
     import sys
 
     code = (
-        "from tirl.runtime.config import ClusterConfig; from tirl.runtime.ray import connect\n"
+        "from tirl.runtime.config import ClusterConfig; from tirl.runtime.ray_cluster import connect\n"
         "connect(ClusterConfig(backend='ray', address='127.0.0.1:9'))"
     )
     src = str(Path(__file__).parents[2] / "src")
@@ -314,3 +316,70 @@ def test_a_train_step_survives_an_engine_and_a_sandbox_killed_mid_rollout(cluste
             assert g[key] == pytest.approx(w[key], rel=1e-6), key
         assert g["train/loss"] == pytest.approx(w["train/loss"], rel=1e-4, abs=1e-6)
         assert g["train/engine_logprob_gap"] < 1e-4
+
+
+async def _cluster_idle() -> None:
+    """Until the GPUs and CPUs earlier tests held are free again (Ray releases them asynchronously), so
+    that SPREAD, a preference, has both nodes to choose from."""
+    total = ray.cluster_resources()
+    while any(ray.available_resources().get(k, 0) < total[k] for k in ("CPU", "GPU")):
+        await asyncio.sleep(0.1)  # polling the cluster's state: there is no event to wait on
+
+
+def _placed(cluster, tiny_model_dir, tmp_path, colocate: bool):
+    """Open the train run's placement, trainer workers and engine actors (each 1 logical GPU) as
+    `tirl train` does; where each landed: (placement groups' bundles, engines, trainer ranks)."""
+    config = _write_config(tmp_path, tiny_model_dir)
+    cfg = load_config(
+        TrainConfig, config,
+        ["cluster.backend=ray", f"cluster.address={cluster.address}", f"cluster.colocate={colocate}",
+         "cluster.trainer.ranks=2", "cluster.engines.num_gpus=1", "cluster.trainer.num_gpus=1",
+         "cluster.engines.num_cpus=0.5", "cluster.trainer.num_cpus=0.5", "cluster.sandbox.per_node=false",
+         "sandbox.mode=inprocess"],
+    )  # fmt: skip
+
+    async def main():
+        await _cluster_idle()
+        with open_cluster_placement(cfg) as placement:
+            async with (
+                open_ray_learner(cfg, str(tiny_model_dir), 1, placement) as learner,
+                open_runtime(cfg.cluster, cfg.engine, cfg.sandbox, None, placement=placement) as rt,
+            ):
+                engines = await asyncio.gather(*(e.actor.describe.remote() for e in rt.engines))
+                trainer = await asyncio.gather(*(w.describe.remote() for w in learner.workers))
+                groups = {pg.id.hex(): ray.util.placement_group_table(pg) for pg in placement.groups}
+                slots = [(s.group.id.hex(), s.bundle) for s in placement.engines + placement.trainer]
+        return groups, slots, engines, trainer
+
+    groups, slots, engines, trainer = asyncio.run(main())
+    for (pg, bundle), actor in zip(slots, engines + trainer, strict=True):  # each actor in its own slot
+        assert actor["placement_group"] == pg
+        assert actor["node"] == groups[pg]["bundles_to_node_id"][bundle]
+    return groups, engines, trainer
+
+
+def test_colocate_puts_engine_i_and_trainer_rank_i_on_one_gpu(cluster, tiny_model_dir, tmp_path):
+    """cluster.colocate=true: one placement group of one bundle per rank (both actors' CPUs, one GPU);
+    engine i and trainer rank i are in bundle i, on the same node, given the same GPU."""
+    groups, engines, trainer = _placed(cluster, tiny_model_dir, tmp_path, colocate=True)
+    [(pg, table)] = groups.items()
+    assert table["strategy"] == "PACK"
+    assert list(table["bundles"].values()) == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    for e, t in zip(engines, trainer, strict=True):
+        assert e["placement_group"] == t["placement_group"] == pg
+        assert e["node"] == t["node"] and e["gpu_ids"] == t["gpu_ids"] and len(e["gpu_ids"]) == 1
+    assert len({(e["node"], *e["gpu_ids"]) for e in engines}) == 2  # two pairs, two GPUs
+
+
+def test_disaggregated_engines_and_trainer_ranks_get_separate_gpus(cluster, tiny_model_dir, tmp_path):
+    """cluster.colocate=false: engines in a group of their own spread over both nodes, trainer ranks in
+    another; no trainer rank is given a GPU an engine holds."""
+    groups, engines, trainer = _placed(cluster, tiny_model_dir, tmp_path, colocate=False)
+    strategies = {table["strategy"]: pg for pg, table in groups.items()}
+    assert sorted(strategies) == ["PACK", "SPREAD"]
+    assert all(e["placement_group"] == strategies["SPREAD"] for e in engines)
+    assert all(t["placement_group"] == strategies["PACK"] for t in trainer)
+    assert len({e["node"] for e in engines}) == 2  # one engine per node
+    engine_gpus = {(e["node"], g) for e in engines for g in e["gpu_ids"]}
+    trainer_gpus = {(t["node"], g) for t in trainer for g in t["gpu_ids"]}
+    assert len(engine_gpus) == len(trainer_gpus) == 2 and not engine_gpus & trainer_gpus

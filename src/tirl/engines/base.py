@@ -46,6 +46,13 @@ class Engine(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
+    def sleep(self) -> bool:
+        """Free this engine's device memory (weights, KV cache) while a colocated trainer runs; False
+        where there is nothing the backend can free (CPU). No generate() until wake_up()."""
+        ...
+
+    def wake_up(self) -> None: ...
+
     async def close(self) -> None: ...
 
 

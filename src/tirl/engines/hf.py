@@ -104,6 +104,7 @@ class HFEngine:
         self._model_lock = threading.Lock()  # a decode step or a weight update, never both
         self._batch = _Batch()
         self._closed = False
+        self._asleep = False
         self.steps = 0
         self.generated_tokens = 0
         self._thread = threading.Thread(target=self._run, name=f"tirl-{name}", daemon=True)
@@ -114,6 +115,8 @@ class HFEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if self._closed:
             raise EngineClosedError(f"engine {self.name} is closed")
+        if self._asleep:
+            raise RuntimeError(f"engine {self.name} is asleep (its trainer is running): wake_up() first")
         if not prompt_ids:
             raise ValueError("generate() needs a non-empty prompt")
         room = self.cfg.max_model_len - len(prompt_ids)
@@ -165,6 +168,26 @@ class HFEngine:
                         f"load_weights: {name} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}"
                     )
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def sleep(self) -> bool:
+        """On a GPU: move the weights to host memory and hand the freed blocks (and the KV cache's,
+        which the batch dropped when its last request left) back to CUDA. On CPU there is nothing to
+        free: the weights already live in host memory and the KV cache exists only while requests run."""
+        if self.device.type != "cuda":
+            return False
+        with self._cond, self._model_lock:
+            if self._batch.requests or self._pending:
+                raise RuntimeError(f"engine {self.name}: sleep() with requests in flight")
+            self._asleep = True
+            self.model.to("cpu")
+        torch.cuda.empty_cache()
+        return True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            with self._model_lock:
+                self.model.to(self.device)
+                self._asleep = False
 
     async def close(self) -> None:
         with self._cond:

@@ -154,6 +154,23 @@ class TrainConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _colocation_fits(self) -> TrainConfig:
+        cluster, engine = self.cluster, self.engine
+        if not cluster.colocate:
+            return self
+        if engine.num_engines != cluster.trainer.ranks:
+            raise ValueError(
+                f"cluster.colocate pairs engine i with trainer rank i on one device, but engine.num_engines="
+                f"{engine.num_engines} and cluster.trainer.ranks={cluster.trainer.ranks}: make them equal"
+            )
+        if engine.backend == "vllm" and cluster.engines.num_gpus > 0 and not engine.enable_sleep_mode:
+            raise ValueError(
+                "cluster.colocate on GPUs with vLLM: set engine.enable_sleep_mode=true, or the engine keeps "
+                "engine.gpu_memory_utilization of the GPU its trainer rank needs while it trains"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name

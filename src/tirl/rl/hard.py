@@ -17,10 +17,14 @@ class HardFilterResult:
     kept: int
     solve_counts: dict[int, int]  # number of problems solved c times out of k, by c
     out: Path
+    engine_rollouts: dict[str, int]  # trajectories each engine ran (the scheduler's leases; {} for one)
 
     def summary(self) -> str:
         hist = ", ".join(f"{c}/{max(self.solve_counts)}: {n}" for c, n in sorted(self.solve_counts.items()))
-        return f"kept {self.kept} of {self.total} problems (not solved every time); solved counts: {hist}"
+        line = f"kept {self.kept} of {self.total} problems (not solved every time); solved counts: {hist}"
+        if self.engine_rollouts:
+            line += "; rollouts per engine: " + ", ".join(f"{e} {n}" for e, n in self.engine_rollouts.items())
+        return line
 
 
 def filter_hard(
@@ -37,6 +41,8 @@ def filter_hard(
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint}: not a tirl run/checkpoint nor an HF model directory")
 
+    leases: dict[str, int] = {}
+
     async def solve_counts() -> list[int]:
         counts: list[int] = []
         engine_cfg = cfg.engine.model_copy(update={"model": path})
@@ -47,13 +53,17 @@ def filter_hard(
                     rt, batch, k, cfg.agent, cfg.seed + start, cfg.rollout_concurrency
                 )
                 counts += [sum(t.reward > 0.5 for t in g) for g in groups]
+            prefix = "rollout/leases/"
+            leases.update(
+                {k[len(prefix) :]: v for k, v in rt.engine_metrics().items() if k.startswith(prefix)}
+            )
         return counts
 
     counts = asyncio.run(solve_counts())
     hard = select_hard(problems, counts, k)
     write_problems(out, hard)
     histogram = {c: counts.count(c) for c in range(k + 1)}
-    return HardFilterResult(len(problems), len(hard), histogram, Path(out))
+    return HardFilterResult(len(problems), len(hard), histogram, Path(out), leases)
 
 
 def select_hard(problems: list, counts: list[int], k: int) -> list:

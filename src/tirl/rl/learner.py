@@ -1,7 +1,7 @@
 """The learner seam: where the policy's updates run, as seen from `rl_step`.
 
 `LocalLearner` is the policy in this process (one of the torchrun ranks under FSDP2: every rank
-calls the same methods in the same order). `tirl.runtime.ray.RayLearner` drives one trainer worker
+calls the same methods in the same order). `tirl.runtime.ray_learner.RayLearner` drives one trainer worker
 actor per rank, each holding a `LocalLearner` of its own in a torch.distributed group; the driver
 keeps running `rl_step` top to bottom and calls them for log-probs, updates, sync and checkpoints.
 """

@@ -20,10 +20,11 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +51,9 @@ from tirl.rl.sampler import EpochSampler
 from tirl.runtime import Runtime, generate, open_runtime, score
 from tirl.seeds import derive_seed
 
+if TYPE_CHECKING:
+    from tirl.runtime.ray_cluster import Placement
+
 FAULT_ENV = "TIRL_FAULT"
 
 
@@ -62,16 +66,29 @@ def fault_point(phase: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@contextmanager
+def open_cluster_placement(cfg: TrainConfig) -> Iterator[Placement | None]:
+    """backend=ray: the bundles of the engine actors and trainer workers, reserved together
+    (cluster.colocate: shared; tirl.runtime.ray_cluster). backend=local places nothing."""
+    if cfg.cluster.backend != "ray":
+        yield None
+        return
+    from tirl.runtime.ray_cluster import open_placement
+
+    with open_placement(cfg.cluster, cfg.engine.num_engines, cfg.cluster.trainer.ranks) as placement:
+        yield placement
+
+
 @asynccontextmanager
 async def open_learner(
-    cfg: TrainConfig, model_path: str, info: DistInfo, total_steps: int
+    cfg: TrainConfig, model_path: str, info: DistInfo, total_steps: int, placement: Placement | None
 ) -> AsyncIterator[Learner]:
     """The policy in this process (cluster.backend=local, one per torchrun rank), or one Ray trainer
-    worker per cluster.trainer.ranks (backend=ray)."""
-    if cfg.cluster.backend == "ray":
-        from tirl.runtime.ray import open_ray_learner
+    worker per cluster.trainer.ranks in the placement's trainer slots (backend=ray)."""
+    if placement is not None:
+        from tirl.runtime.ray_learner import open_ray_learner
 
-        async with open_ray_learner(cfg, model_path, total_steps) as learner:
+        async with open_ray_learner(cfg, model_path, total_steps, placement) as learner:
             yield learner
     else:
         yield LocalLearner(Policy(model_path, cfg.optim, info, total_steps))
@@ -79,14 +96,14 @@ async def open_learner(
 
 @asynccontextmanager
 async def open_main_runtime(
-    cfg: TrainConfig, model_path: str, info: DistInfo
+    cfg: TrainConfig, model_path: str, info: DistInfo, placement: Placement | None
 ) -> AsyncIterator[Runtime | None]:
     """The runtime (cfg.cluster: engines serving `model_path`, sandbox, reward workers), on rank 0 only."""
     if not info.is_main:
         yield None
         return
     engine_cfg = cfg.engine.model_copy(update={"model": model_path})
-    async with open_runtime(cfg.cluster, engine_cfg, cfg.sandbox, cfg.reward) as runtime:
+    async with open_runtime(cfg.cluster, engine_cfg, cfg.sandbox, cfg.reward, placement=placement) as runtime:
         yield runtime
 
 
@@ -266,12 +283,13 @@ async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSa
         metrics["perf/rollout_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
     # 6. update: every rank trains on its share of the kept samples
     samples = broadcast_object(samples, info)
-    if run.runtime is not None:  # colocated engines free their GPU memory for training (vLLM sleep mode)
-        run.runtime.sleep()
+    colocated = run.runtime is not None and cfg.cluster.colocated
+    if colocated:  # engines sharing the trainer's devices free their memory for training
+        metrics["colocate/engines_asleep"] = run.runtime.sleep()
     with timer("train"):
         metrics |= run.learner.update(samples, alg)
     fault_point("update", step + 1)
-    if run.runtime is not None:
+    if colocated:
         run.runtime.wake_up()
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
     # 7. weight sync: the engines sample from the updated policy from the next step on
@@ -326,14 +344,15 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
         logger.truncate_after(state.step)
         trajectory_sample.truncate_after(cfg.run_dir, state.step)
     try:
-        async with (
-            open_learner(cfg, model_path, info, cfg.stages[state.stage].steps) as learner,
-            open_main_runtime(cfg, model_path, info) as runtime,
-        ):
-            run = Run(cfg, info, learner, runtime, state, logger, AlertMonitor(cfg.logging))
-            for stage_index in range(state.stage, len(cfg.stages)):
-                await _run_stage(run, stage_index, saved if stage_index == state.stage else None, console)
-                saved = None
+        with open_cluster_placement(cfg) as placement:
+            async with (
+                open_learner(cfg, model_path, info, cfg.stages[state.stage].steps, placement) as learner,
+                open_main_runtime(cfg, model_path, info, placement) as runtime,
+            ):
+                run = Run(cfg, info, learner, runtime, state, logger, AlertMonitor(cfg.logging))
+                for stage_index in range(state.stage, len(cfg.stages)):
+                    await _run_stage(run, stage_index, saved if stage_index == state.stage else None, console)
+                    saved = None
     finally:
         if logger:
             logger.close()

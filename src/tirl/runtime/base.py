@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from tirl.engines.config import EngineConfig
     from tirl.reward import RewardConfig, RewardStats
     from tirl.runtime.config import ClusterConfig
+    from tirl.runtime.ray_cluster import Placement
     from tirl.sandbox import SandboxConfig
 
 
@@ -63,17 +64,15 @@ class Runtime:
         for engine in self.engines:
             engine.load_weights(weights)
 
-    def sleep(self) -> None:
-        """Engines that can free their memory while the trainer needs it do (vLLM sleep mode with
-        engine.enable_sleep_mode, on GPUs: engines colocated with trainer ranks); others keep it."""
-        for engine in self.engines:
-            if hasattr(engine, "sleep"):
-                engine.sleep()
+    def sleep(self) -> int:
+        """Engines that share devices with the trainer free their memory while it trains, where their
+        backend can (vLLM sleep mode with engine.enable_sleep_mode, the HF engine on a GPU); the
+        number that did. An engine on CPU has nothing to free and says so (False)."""
+        return sum(bool(engine.sleep()) for engine in self.engines)
 
     def wake_up(self) -> None:
         for engine in self.engines:
-            if hasattr(engine, "wake_up"):
-                engine.wake_up()
+            engine.wake_up()
 
     def engine_metrics(self) -> dict[str, Any]:
         """The scheduler's window since the last call, per engine (trajectories leased, busy and idle time,
@@ -96,15 +95,21 @@ async def open_runtime(
     sandbox: SandboxConfig,
     reward: RewardConfig | None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    placement: Placement | None = None,
 ) -> AsyncIterator[Runtime]:
     """Engines serving `engine.model`, a sandbox, reward workers (none if `reward` is None); all
-    closed on exit, whatever happened."""
+    closed on exit, whatever happened. `placement` (backend=ray): the engine slots reserved with the
+    trainer's (tirl.runtime.ray_cluster.open_placement; cluster.colocate)."""
     if cluster.backend == "ray":
-        from tirl.runtime.ray import open_ray_runtime as opener
+        from tirl.runtime.ray import open_ray_runtime
+
+        async with open_ray_runtime(cluster, engine, sandbox, reward, tokenizer, placement) as rt:
+            yield rt
     else:
-        from tirl.runtime.local import open_local_runtime as opener
-    async with opener(cluster, engine, sandbox, reward, tokenizer) as rt:
-        yield rt
+        from tirl.runtime.local import open_local_runtime
+
+        async with open_local_runtime(cluster, engine, sandbox, reward, tokenizer) as rt:
+            yield rt
 
 
 async def generate(

@@ -5,6 +5,7 @@
       address: auto           # auto | HOST:PORT | null (start a private Ray on this machine)
       engines: {num_gpus: 1}  # per engine actor (engine.num_engines of them)
       trainer: {ranks: 8, num_gpus: 1}
+      colocate: true          # engine i shares trainer rank i's GPU (and sleeps while it trains)
 
 The number of engines stays `engine.num_engines` (one definition); this section only says what each
 one needs and where the rest goes.
@@ -58,6 +59,9 @@ class ClusterConfig(_Strict):
     namespace: str = "tirl"
     engines: Resources = Resources()
     trainer: TrainerPlacement = TrainerPlacement()
+    # true: engine i and trainer rank i share one bundle (its GPU), engines sleep while the trainer runs
+    # (tirl.runtime.ray_cluster); false: separate device pools (disaggregated), engines never sleep.
+    colocate: bool = False
     weight_sync_bucket_mb: float = Field(
         256.0, gt=0
     )  # trainer -> engines in buckets of this size (verl: 128-1024)
@@ -75,12 +79,45 @@ class ClusterConfig(_Strict):
                     "cluster.trainer.ranks is for backend=ray; under backend=local launch ranks with "
                     "`torchrun --nproc_per_node=N -m tirl.cli train ...`"
                 )
+            if self.colocate:
+                raise ValueError(
+                    "cluster.colocate is for backend=ray; backend=local is colocated already (engine i runs "
+                    "on cuda:i, next to torchrun rank i)"
+                )
         else:
+            if self.colocate:
+                self._check_colocatable()
             try:
                 require_ray()
             except ImportError as e:
                 raise ValueError(str(e)) from None
         return self
+
+    def _check_colocatable(self) -> None:
+        """Colocated engine i and rank i share one bundle's devices: they must ask for the same ones."""
+        e, t = self.engines, self.trainer
+        if e.num_gpus != t.num_gpus:
+            raise ValueError(
+                f"cluster.colocate: engine i shares trainer rank i's devices, but cluster.engines.num_gpus="
+                f"{e.num_gpus:g} differs from cluster.trainer.num_gpus={t.num_gpus:g}: make them equal, or set "
+                "cluster.colocate=false for separate device pools"
+            )
+        if e.num_gpus > 1:
+            raise ValueError(
+                f"cluster.colocate: num_gpus={e.num_gpus:g}, but a colocated engine and rank share one GPU "
+                "(each takes half of it; with more Ray would hand them different GPUs): set num_gpus to 1"
+            )
+        if e.resources != t.resources:
+            raise ValueError(
+                f"cluster.colocate: cluster.engines.resources={e.resources} and cluster.trainer.resources="
+                f"{t.resources} differ, but a colocated engine and rank share one bundle: make them equal"
+            )
+
+    @property
+    def colocated(self) -> bool:
+        """Engines share devices with trainer ranks (backend=local always does), so they should free
+        their memory while the trainer runs."""
+        return self.backend == "local" or self.colocate
 
 
 def require_ray():

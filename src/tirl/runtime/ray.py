@@ -1,10 +1,11 @@
-"""The `ray` runtime: engines, trainer ranks, sandboxes and reward workers placed across nodes.
+"""The `ray` runtime: engines, sandboxes and reward workers placed across nodes (the trainer ranks:
+tirl.runtime.ray_learner; where each actor goes: tirl.runtime.ray_cluster).
 
     driver (tirl train: rl_step top to bottom)
-      ├─ EngineWorker actors (placement group, SPREAD: engine i on any node) <- RemoteEngine proxies
-      │    behind the KV-aware RolloutScheduler; generate() is an awaited remote call
-      ├─ TrainerWorker actors, one per rank (placement group, PACK), one torch.distributed group
-      │    (FSDP2; gloo on CPU, NCCL on GPU) <- RayLearner
+      ├─ EngineWorker actors (their placement slots: engine i on any node, or sharing trainer rank i's
+      │    bundle with cluster.colocate) <- RemoteEngine proxies behind the KV-aware RolloutScheduler;
+      │    generate() is an awaited remote call
+      ├─ TrainerWorker actors, one per rank, one torch.distributed group (tirl.runtime.ray_learner)
       ├─ SandboxNode actor per node: starts, health-checks, restarts `tirl sandbox serve`;
       │    the SandboxClient balances over their endpoints (and retries elsewhere)
       └─ RewardWorker actor: the math-verify process pool, off the driver
@@ -27,20 +28,28 @@ import asyncio
 import contextlib
 import os
 import secrets
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
-from tirl.rl.weight_sync import SyncGroup, free_port, receive_into, send_weights
+from tirl.rl.weight_sync import SyncGroup, free_port, receive_into
 from tirl.runtime.base import Runtime
-from tirl.runtime.config import ClusterConfig, Resources, require_ray
+from tirl.runtime.config import ClusterConfig
+from tirl.runtime.ray_cluster import (
+    READY_TIMEOUT_S,
+    ClusterError,
+    Placement,
+    Slot,
+    connect,
+    node_ip,
+    open_placement,
+    whereabouts,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,98 +57,7 @@ if TYPE_CHECKING:
     from tirl.agent.trajectory import Trajectory
     from tirl.engines.config import EngineConfig
     from tirl.reward import RewardConfig, RewardStats
-    from tirl.rl.config import AlgorithmConfig, TrainConfig
-    from tirl.rl.policy import TrainSample
     from tirl.sandbox import SandboxConfig
-
-READY_TIMEOUT_S = 300.0  # placement groups and actors (loading a model) must be up within this
-
-
-class ClusterError(RuntimeError):
-    """The Ray cluster cannot run what the config asks for; the message says what and why."""
-
-
-# ---- connecting and checking resources ------------------------------------------------------------
-
-
-def connect(cluster: ClusterConfig):
-    """Join cluster.address (or start a private Ray here when it is null); returns the ray module."""
-    ray = require_ray()
-    if ray.is_initialized():
-        return ray
-    options: dict[str, Any] = {
-        "namespace": cluster.namespace,
-        "include_dashboard": False,
-        "log_to_driver": True,
-    }
-    if cluster.address is None:
-        ray.init(num_cpus=cluster.num_cpus, **options)
-        return ray
-    if cluster.address != "auto":
-        host, _, port = cluster.address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except (OSError, ValueError) as e:
-            raise ClusterError(
-                f"cannot reach the Ray cluster at cluster.address={cluster.address!r} ({e}): start its head "
-                "with `ray start --head --port=6379` and give HEAD_IP:6379, or `auto` on a cluster node"
-            ) from e
-    try:
-        ray.init(address=cluster.address, **options)
-    except ConnectionError as e:
-        raise ClusterError(f"cannot join the Ray cluster at cluster.address={cluster.address!r}: {e}") from e
-    return ray
-
-
-def check_resources(ray, what: str, bundle: dict[str, float], count: int) -> None:
-    """Fail fast, naming the resource, when `count` actors of `bundle` can never be placed."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    for key, amount in bundle.items():
-        have = [n["Resources"].get(key, 0.0) for n in nodes]
-        if max(have, default=0.0) < amount:
-            raise ClusterError(
-                f"cluster.{what} asks for {amount:g} {key!r} per actor, but no node of the Ray cluster has "
-                f"that much (largest: {max(have, default=0.0):g}, over {len(nodes)} nodes): lower it or add "
-                + (f"nodes with `ray start --num-{key.lower()}s N`" if key in ("CPU", "GPU")
-                   else f"nodes with `ray start --resources '{{\"{key}\": N}}'`")
-            )  # fmt: skip
-        if sum(have) < amount * count:
-            raise ClusterError(
-                f"cluster.{what}: {count} actors x {amount:g} {key!r} = {amount * count:g}, but the Ray "
-                f"cluster has {sum(have):g} {key!r} in all"
-            )
-
-
-def _placement_group(ray, what: str, bundle: dict[str, float], count: int, strategy: str):
-    from ray.util.placement_group import placement_group
-
-    check_resources(ray, what, bundle, count)
-    pg = placement_group([dict(bundle) for _ in range(count)], strategy=strategy)
-    ready, _ = ray.wait([pg.ready()], timeout=READY_TIMEOUT_S)
-    if not ready:
-        ray.util.remove_placement_group(pg)
-        raise ClusterError(
-            f"cluster.{what}: {count} x {bundle} could not be placed within {READY_TIMEOUT_S:g} s "
-            "(the resources exist but are held by other work)"
-        )
-    return pg
-
-
-def _in_bundle(pg, index: int) -> dict[str, Any]:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
-
-
-def _actor_options(res: Resources) -> dict[str, Any]:
-    return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources)}
-
-
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
 
 # ---- engines -------------------------------------------------------------------------------------
 
@@ -157,13 +75,7 @@ class EngineWorker:
         return generation, self.engine.capacity()
 
     async def describe(self) -> dict[str, Any]:
-        import ray
-
-        return {
-            "node": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "capacity": self.engine.capacity(),
-        }
+        return whereabouts() | {"capacity": self.engine.capacity()}
 
     async def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         await asyncio.to_thread(self.engine.load_weights, weights)
@@ -172,13 +84,11 @@ class EngineWorker:
         device = torch.device("cuda") if group.backend == "nccl" else torch.device("cpu")
         return await asyncio.to_thread(receive_into, group, rank, self.engine.load_weights, device)
 
-    async def sleep(self) -> None:
-        if hasattr(self.engine, "sleep"):
-            await asyncio.to_thread(self.engine.sleep)
+    async def sleep(self) -> bool:
+        return await asyncio.to_thread(self.engine.sleep)
 
     async def wake_up(self) -> None:
-        if hasattr(self.engine, "wake_up"):
-            await asyncio.to_thread(self.engine.wake_up)
+        await asyncio.to_thread(self.engine.wake_up)
 
     async def close(self) -> None:
         await self.engine.close()
@@ -216,11 +126,10 @@ class RemoteEngine:
 
         ray.get(self.actor.load_weights.remote(list(weights)))
 
-    def sleep(self) -> None:
+    def sleep(self) -> bool:
         import ray
 
-        if self.up:
-            ray.get(self.actor.sleep.remote())
+        return self.up and ray.get(self.actor.sleep.remote())
 
     def wake_up(self) -> None:
         import ray
@@ -281,8 +190,7 @@ class EngineFleet:
                 self.counters["engine_restarts"] += 1
 
 
-async def _start_engines(ray, cluster: ClusterConfig, cfg: EngineConfig, fleet: EngineFleet):
-    pg = _placement_group(ray, "engines", cluster.engines.as_bundle(), cfg.num_engines, "SPREAD")
+async def _start_engines(ray, slots: list[Slot], cfg: EngineConfig, fleet: EngineFleet) -> None:
     actor_cls = ray.remote(EngineWorker)
     run = secrets.token_hex(4)  # names (`ray list actors`, operators) unique per runtime
     actors = [
@@ -290,15 +198,13 @@ async def _start_engines(ray, cluster: ClusterConfig, cfg: EngineConfig, fleet: 
             name=f"tirl-engine{i}-{run}",
             max_restarts=2,  # Ray brings a dead engine back; it rejoins at the next weight sync
             max_concurrency=10_000,  # every in-flight trajectory's generate() is one concurrent call
-            **_actor_options(cluster.engines),
-            **_in_bundle(pg, i),
+            **slot.options(),
         ).remote(cfg)
-        for i in range(cfg.num_engines)
+        for i, slot in enumerate(slots)
     ]
     infos = await asyncio.gather(*(a.describe.remote() for a in actors))
     for i, (actor, info) in enumerate(zip(actors, infos, strict=True)):
         fleet.engines.append(RemoteEngine(fleet, actor, f"{cfg.backend}{i}", info["node"], info["capacity"]))
-    return pg
 
 
 # ---- sandboxes -------------------------------------------------------------------------------------
@@ -309,7 +215,7 @@ class SandboxNode:
 
     def __init__(self, cfg: SandboxConfig, token: str):
         self.cfg, self.token = cfg, token
-        self.host, self.port = _node_ip(), free_port()
+        self.host, self.port = node_ip(), free_port()
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -495,7 +401,10 @@ async def open_ray_runtime(
     sandbox: SandboxConfig,
     reward: RewardConfig | None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    placement: Placement | None = None,
 ) -> AsyncIterator[Runtime]:
+    """Engine actors in `placement`'s engine slots (a placement of their own when None: eval, chat,
+    filter-hard), a sandbox service per node, the reward actor; all gone on exit."""
     from tirl.engines.factory import build_pool, load_tokenizer
     from tirl.sandbox import open_executor
 
@@ -503,13 +412,14 @@ async def open_ray_runtime(
     tokenizer = tokenizer or load_tokenizer(engine.model)
     counters: dict[str, int] = {}
     fleet = EngineFleet(counters)
-    pg = None
     # A fleet the user runs (sandbox.mode=remote) is used as given; otherwise one service per node.
     per_node = cluster.sandbox.per_node and sandbox.mode != "remote"
     sandbox_nodes = _sandbox_nodes(ray, cluster) if per_node else []
     async with AsyncExitStack() as stack:
+        if placement is None:
+            placement = stack.enter_context(open_placement(cluster, engine.num_engines))
         try:
-            pg = await _start_engines(ray, cluster, engine, fleet)
+            await _start_engines(ray, placement.engines, engine, fleet)
             if sandbox_nodes:
                 executor = await stack.enter_async_context(
                     _sandbox_fleet(ray, cluster, sandbox, sandbox_nodes, counters)
@@ -528,121 +438,6 @@ async def open_ray_runtime(
             await asyncio.gather(*(e.close() for e in fleet.engines), return_exceptions=True)
             for e in fleet.engines:
                 ray.kill(e.actor)
-            if pg is not None:
-                ray.util.remove_placement_group(pg)
 
 
-# ---- trainer workers -------------------------------------------------------------------------------
-
-
-class TrainerWorker:
-    """One training rank: a LocalLearner in a torch.distributed group with the other workers."""
-
-    def address(self) -> tuple[str, int]:
-        return _node_ip(), free_port()
-
-    def setup(
-        self, rank: int, world: int, master: tuple[str, int], model_path: str, optim, total_steps: int
-    ) -> None:
-        from tirl.rl.distributed import init_distributed
-        from tirl.rl.learner import LocalLearner
-        from tirl.rl.policy import Policy
-
-        os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
-        )  # fmt: skip
-        info = init_distributed(optim.device)
-        self.learner = LocalLearner(Policy(model_path, optim, info, total_steps))
-
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.learner, method)(*args)
-
-    def send_weights(self, group: SyncGroup | None, bucket_bytes: int) -> dict[str, float]:
-        device = (
-            self.learner.policy.device
-            if group is not None and group.backend == "nccl"
-            else torch.device("cpu")
-        )
-        pg = group.join(0) if group is not None else None
-        return send_weights(self.learner.policy.model, pg, bucket_bytes, device)
-
-
-class RayLearner:
-    """The Learner interface on one TrainerWorker per rank; every call goes to all ranks at once."""
-
-    def __init__(self, workers: list, bucket_bytes: int, backend: str):
-        self.workers, self.bucket_bytes, self.backend = workers, bucket_bytes, backend
-
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        import ray
-
-        return ray.get([w.call.remote(method, *args) for w in self.workers])
-
-    def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
-        return self._all("update", samples, alg)[0]  # the metrics are all-reduced: rank 0's say it all
-
-    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
-        import ray
-
-        if runtime is None:
-            return {}
-        engines = [e for e in runtime.engines if isinstance(e, RemoteEngine)]
-        if len(engines) != len(runtime.engines):
-            raise ClusterError("backend=ray trains on Ray workers and needs engines from the ray runtime")
-        fleet = engines[0].fleet
-        host, port = ray.get(self.workers[0].address.remote())  # on trainer rank 0's node
-        members = fleet.sync_targets()
-        group = SyncGroup(host, port, 1 + len(members), self.backend)
-        sends = [
-            w.send_weights.remote(group if r == 0 else None, self.bucket_bytes)
-            for r, w in enumerate(self.workers)
-        ]
-        receives = [e.actor.receive_weights.remote(group, i + 1) for i, e in enumerate(members)]
-        stats = ray.get(sends)[0]
-        ray.get(receives)
-        fleet.synced(members)
-        return stats | {"sync/engines": float(len(members))}
-
-    def reset_optimizer(self, total_steps: int) -> None:
-        self._all("reset_optimizer", total_steps)
-
-    def snapshot_reference(self) -> None:
-        self._all("snapshot_reference")
-
-    def restore(self, saved: dict) -> None:
-        self._all("restore", saved)
-
-    def save(self, run_dir: Path, step: int, tokenizer, state: dict, keep_last: int) -> None:
-        self._all("save", run_dir, step, tokenizer, state, keep_last)
-
-
-@asynccontextmanager
-async def open_ray_learner(cfg: TrainConfig, model_path: str, total_steps: int) -> AsyncIterator[RayLearner]:
-    """cluster.trainer.ranks TrainerWorker actors (placement group, PACK) forming one FSDP2 group."""
-    cluster = cfg.cluster
-    ray = connect(cluster)
-    placement = cluster.trainer
-    res = Resources(num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, resources=placement.resources)
-    pg = _placement_group(ray, "trainer", res.as_bundle(), placement.ranks, "PACK")
-    actor_cls = ray.remote(TrainerWorker)
-    workers = [
-        actor_cls.options(**_actor_options(res), **_in_bundle(pg, r)).remote() for r in range(placement.ranks)
-    ]
-    try:
-        master = await workers[0].address.remote()
-        await asyncio.gather(
-            *(
-                w.setup.remote(r, placement.ranks, master, model_path, cfg.optim, total_steps)
-                for r, w in enumerate(workers)
-            )
-        )
-        backend = "nccl" if placement.num_gpus > 0 else "gloo"
-        yield RayLearner(workers, int(cluster.weight_sync_bucket_mb * 2**20), backend)
-    finally:
-        for w in workers:
-            ray.kill(w)
-        ray.util.remove_placement_group(pg)
-
-
-__all__ = ["ClusterError", "RayLearner", "connect", "open_ray_learner", "open_ray_runtime"]
+__all__ = ["RemoteEngine", "open_ray_runtime"]

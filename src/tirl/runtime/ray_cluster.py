@@ -1,0 +1,194 @@
+"""The Ray cluster tirl runs on: joining it, checking it has what the config asks for, and placing the
+engine actors and trainer workers on it (`cluster.colocate`).
+
+    colocate: false (disaggregated)            colocate: true
+      engines  PG (SPREAD): [E0] [E1] ...        one PG (PACK): [E0+T0] [E1+T1] ...
+      trainer  PG (PACK):   [T0] [T1] ...        engine i and trainer rank i share bundle i
+
+A colocated bundle holds the devices (GPUs, custom resources) once and the CPUs of both actors; each
+actor takes half of the shared amounts, so Ray gives engine i and rank i the same GPU (the fractional
+GPU trick of verl and OpenRLHF's hybrid mode, with the engine in its own actor). The engines then
+release their memory while the trainer runs (Runtime.sleep) where their backend can.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from tirl.runtime.config import ClusterConfig, Resources, require_ray
+
+READY_TIMEOUT_S = 300.0  # placement groups and actors (loading a model) must be up within this
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot run what the config asks for; the message says what and why."""
+
+
+def connect(cluster: ClusterConfig):
+    """Join cluster.address (or start a private Ray here when it is null); returns the ray module."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return ray
+    options: dict[str, Any] = {
+        "namespace": cluster.namespace,
+        "include_dashboard": False,
+        "log_to_driver": True,
+    }
+    if cluster.address is None:
+        ray.init(num_cpus=cluster.num_cpus, **options)
+        return ray
+    if cluster.address != "auto":
+        host, _, port = cluster.address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except (OSError, ValueError) as e:
+            raise ClusterError(
+                f"cannot reach the Ray cluster at cluster.address={cluster.address!r} ({e}): start its head "
+                "with `ray start --head --port=6379` and give HEAD_IP:6379, or `auto` on a cluster node"
+            ) from e
+    try:
+        ray.init(address=cluster.address, **options)
+    except ConnectionError as e:
+        raise ClusterError(f"cannot join the Ray cluster at cluster.address={cluster.address!r}: {e}") from e
+    return ray
+
+
+def check_resources(ray, what: str, bundle: dict[str, float], count: int) -> None:
+    """Fail fast, naming the resource, when `count` bundles like `bundle` can never be placed."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    for key, amount in bundle.items():
+        have = [n["Resources"].get(key, 0.0) for n in nodes]
+        if max(have, default=0.0) < amount:
+            raise ClusterError(
+                f"cluster.{what} asks for {amount:g} {key!r} per actor, but no node of the Ray cluster has "
+                f"that much (largest: {max(have, default=0.0):g}, over {len(nodes)} nodes): lower it or add "
+                + (f"nodes with `ray start --num-{key.lower()}s N`" if key in ("CPU", "GPU")
+                   else f"nodes with `ray start --resources '{{\"{key}\": N}}'`")
+            )  # fmt: skip
+        if sum(have) < amount * count:
+            raise ClusterError(
+                f"cluster.{what}: {count} actors x {amount:g} {key!r} = {amount * count:g}, but the Ray "
+                f"cluster has {sum(have):g} {key!r} in all"
+            )
+
+
+# ---- placement ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one actor goes: bundle `bundle` of placement group `group`, of which it takes `takes`."""
+
+    group: Any  # ray.util.placement_group.PlacementGroup
+    bundle: int
+    takes: Resources
+
+    def options(self) -> dict[str, Any]:
+        """Ray actor options that put the actor in its bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {
+            "num_cpus": self.takes.num_cpus,
+            "num_gpus": self.takes.num_gpus,
+            "resources": dict(self.takes.resources),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=self.bundle
+            ),
+        }
+
+
+@dataclass
+class Placement:
+    """The slots of the engine actors and of the trainer workers (empty for eval: no trainer)."""
+
+    engines: list[Slot]
+    trainer: list[Slot] = field(default_factory=list)
+    groups: list[Any] = field(default_factory=list)  # removed when the placement closes
+
+
+def colocated_shares(engines: Resources, trainer: Resources) -> tuple[dict[str, float], Resources, Resources]:
+    """The bundle that engine i and trainer rank i share, and what each of them takes of it: the
+    devices (GPUs, custom resources; equal for both, ClusterConfig checks) once, split in half, and
+    the CPUs of both."""
+    bundle = Resources(
+        num_cpus=engines.num_cpus + trainer.num_cpus, num_gpus=engines.num_gpus, resources=engines.resources
+    ).as_bundle()
+    half = {k: v / 2 for k, v in engines.resources.items()}
+    engine_takes = Resources(num_cpus=engines.num_cpus, num_gpus=engines.num_gpus / 2, resources=half)
+    trainer_takes = Resources(num_cpus=trainer.num_cpus, num_gpus=trainer.num_gpus / 2, resources=half)
+    return bundle, engine_takes, trainer_takes
+
+
+def _placement_group(ray, what: str, bundle: dict[str, float], count: int, strategy: str):
+    from ray.util.placement_group import placement_group
+
+    check_resources(ray, what, bundle, count)
+    pg = placement_group([dict(bundle) for _ in range(count)], strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=READY_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise ClusterError(
+            f"cluster.{what}: {count} x {bundle} could not be placed within {READY_TIMEOUT_S:g} s "
+            "(the resources exist but are held by other work)"
+        )
+    return pg
+
+
+@contextmanager
+def open_placement(cluster: ClusterConfig, num_engines: int, trainer_ranks: int = 0) -> Iterator[Placement]:
+    """Reserve the bundles of `num_engines` engine actors and `trainer_ranks` trainer workers
+    (cluster.colocate: shared, one per rank; else separate groups); released on exit."""
+    ray = connect(cluster)
+    groups: list[Any] = []
+    try:
+        if cluster.colocate and trainer_ranks:
+            if num_engines != trainer_ranks:  # TrainConfig says so first; this guards other callers
+                raise ClusterError(
+                    f"cluster.colocate: {num_engines} engines cannot share the devices of {trainer_ranks} "
+                    "trainer ranks one to one: set engine.num_engines = cluster.trainer.ranks"
+                )
+            bundle, engine_takes, trainer_takes = colocated_shares(cluster.engines, cluster.trainer)
+            groups.append(_placement_group(ray, "engines+trainer (colocated)", bundle, trainer_ranks, "PACK"))
+            engines = [Slot(groups[0], i, engine_takes) for i in range(num_engines)]
+            trainer = [Slot(groups[0], r, trainer_takes) for r in range(trainer_ranks)]
+        else:
+            groups.append(
+                _placement_group(ray, "engines", cluster.engines.as_bundle(), num_engines, "SPREAD")
+            )
+            engines = [Slot(groups[0], i, cluster.engines) for i in range(num_engines)]
+            trainer = []
+            if trainer_ranks:
+                groups.append(
+                    _placement_group(ray, "trainer", cluster.trainer.as_bundle(), trainer_ranks, "PACK")
+                )
+                trainer = [Slot(groups[1], r, cluster.trainer) for r in range(trainer_ranks)]
+        yield Placement(engines, trainer, groups)
+    finally:
+        for pg in groups:
+            ray.util.remove_placement_group(pg)
+
+
+def whereabouts() -> dict[str, Any]:
+    """Where the calling actor runs: its node, placement group and bundle, GPU ids and pid."""
+    import os
+
+    import ray
+
+    ctx = ray.get_runtime_context()
+    pg = ctx.get_placement_group_id()
+    return {
+        "node": ctx.get_node_id(),
+        "placement_group": pg,
+        "gpu_ids": ray.get_gpu_ids(),
+        "pid": os.getpid(),
+    }
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
