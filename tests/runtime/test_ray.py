@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -383,3 +384,121 @@ def test_disaggregated_engines_and_trainer_ranks_get_separate_gpus(cluster, tiny
     engine_gpus = {(e["node"], g) for e in engines for g in e["gpu_ids"]}
     trainer_gpus = {(t["node"], g) for t in trainer for g in t["gpu_ids"]}
     assert len(engine_gpus) == len(trainer_gpus) == 2 and not engine_gpus & trainer_gpus
+
+
+def _new_processes(roots: list[int], known: set[int]) -> list:
+    """The descendants of `roots` (raylets, the driver) that are not in `known`."""
+    import psutil
+
+    found = []
+    for pid in roots:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found += [p for p in psutil.Process(pid).children(recursive=True) if p.pid not in known]
+    return found
+
+
+def _raylets() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"]
+
+
+@pytest.mark.timeout(1200)  # three train runs on the cluster (one killed), slow on a loaded machine
+def test_driver_sigkilled_mid_stage_resumes_exactly_and_leaves_no_ray_process(
+    cluster, tiny_model_dir, tmp_path
+):
+    """`tirl train` on the cluster (colocated), SIGKILLed after step 2's update (the trainer workers hold weights
+    no checkpoint has), resumed with --resume: the same batches, rewards, losses and final weights as an
+    uninterrupted run; and the dead driver's engine, trainer, sandbox and reward actors, with every
+    process they started, are gone (Ray ends a job's actors when its driver dies)."""
+    import subprocess
+    import sys
+    import threading
+
+    import psutil
+
+    from tirl.rl.trainer import FAULT_ENV
+
+    config = _write_config(tmp_path, tiny_model_dir)
+    overrides = [  # colocated: engine i and trainer rank i share bundle i (half a CPU each)
+        "cluster.backend=ray", f"cluster.address={cluster.address}", "cluster.trainer.ranks=2",
+        "cluster.colocate=true", "cluster.engines.num_cpus=0.5", "cluster.trainer.num_cpus=0.5",
+        "checkpoint.every=1", "checkpoint.keep_last=2",
+    ]  # fmt: skip
+    ref = run_training(load_config(TrainConfig, config, ["run_name=ref", *overrides]), progress=False)
+
+    raylets = _raylets()
+    known = {p.pid for p in _new_processes(raylets, set())}  # the cluster's own (agents, idle workers)
+    src = str(Path(__file__).parents[2] / "src")
+    env = {**os.environ, FAULT_ENV: "update:2", "PYTHONPATH": src}
+    cmd = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "--quiet", "run_name=killed"]
+    driver = subprocess.Popen(cmd + overrides, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    seen: dict[int, tuple[psutil.Process, str]] = {}
+
+    def track() -> None:  # every process the run starts, while it runs (polling: no event to wait on)
+        while driver.poll() is None:
+            for p in _new_processes([*raylets, driver.pid], known):
+                with contextlib.suppress(psutil.Error):  # the latest name: a Ray worker renames itself
+                    seen[p.pid] = (seen.get(p.pid, (p,))[0], " ".join(p.cmdline())[:80])
+            threading.Event().wait(0.5)
+
+    tracker = threading.Thread(target=track, daemon=True)
+    tracker.start()
+    _, err = driver.communicate(timeout=900)  # a hang guard only: the kill point is the hook
+    tracker.join()
+    assert driver.returncode == -signal.SIGKILL, err.decode()[-3000:]
+    names = [name for _, name in seen.values()]
+    for actor in ("EngineWorker", "TrainerWorker", "SandboxNode", "RewardWorker"):  # it saw them all
+        assert any(n.startswith(f"ray::{actor}") for n in names), (actor, names)
+    alive = psutil.wait_procs([p for p, _ in seen.values()], timeout=120)[1]
+    assert not alive, [seen[p.pid][1] for p in alive]
+    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "killed")] == [1]
+
+    resumed = run_training(
+        load_config(TrainConfig, config, ["run_name=killed", *overrides]), resume=True, progress=False
+    )
+    want, got = read_metrics(ref), read_metrics(resumed)
+    assert [r["step"] for r in got] == [1, 2]
+    assert [r["colocate/engines_asleep"] for r in got] == [0, 0]  # HF engines on CPU: nothing to free
+    for w, g in zip(want, got, strict=True):
+        assert g["batch"] == w["batch"]
+        for key in ("reward/mean", "response/length_mean", "train/trained_tokens", "train/lr"):
+            assert g[key] == pytest.approx(w[key], rel=1e-6), key
+        for key in ("train/loss", "train/entropy", "train/grad_norm"):
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    ref_w, resumed_w = _final_weights(ref), _final_weights(resumed)
+    for k, w in ref_w.items():
+        torch.testing.assert_close(resumed_w[k], w, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_filter_hard_through_the_ray_runtime_matches_local(cluster, tiny_model_dir, tmp_path):
+    """`tirl data filter-hard` with cluster.backend=ray: the k rollouts per problem run on both engine
+    actors (one per node) and keep the same problems, with the same solve counts, as a local run."""
+    from typer.testing import CliRunner
+
+    from tirl.cli import app
+    from tirl.data import load_problems
+
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in PROBLEMS))
+    common = [
+        "engine.num_engines=2", "engine.device=cpu", "engine.max_model_len=1024",
+        "agent.max_response_tokens=24", "sandbox.mode=inprocess", "reward.workers=1",
+    ]  # fmt: skip
+
+    def filter_hard(out: Path, *overrides: str) -> str:
+        args = ["data", "filter-hard", "--checkpoint", str(tiny_model_dir), "--data", str(data), "-k", "3"]
+        result = CliRunner().invoke(app, [*args, "--out", str(out), *common, *overrides])
+        assert result.exit_code == 0, result.output
+        summary = result.output[result.output.index("kept ") :]  # after the progress bars (stderr)
+        return summary.splitlines()[0]
+
+    local = filter_hard(tmp_path / "local.jsonl")
+    on_ray = filter_hard(
+        tmp_path / "ray.jsonl", "cluster.backend=ray", f"cluster.address={cluster.address}",
+        "cluster.sandbox.per_node=false",
+    )  # fmt: skip
+    assert load_problems(tmp_path / "ray.jsonl") == load_problems(tmp_path / "local.jsonl")
+    assert local.split("; rollouts per engine")[0] == on_ray.split("; rollouts per engine")[0]
+    leases = [int(n) for n in re.findall(r"hf\d (\d+)", on_ray.split("rollouts per engine:")[1])]
+    assert len(leases) == 2 and min(leases) > 0 and sum(leases) == len(PROBLEMS) * 3
