@@ -104,11 +104,18 @@ def reader(fd: int) -> io.TextIOWrapper:
     return _stream(fd, mode="rb")
 
 
-def open_streams() -> None:
+Streams = tuple[io.TextIOWrapper, io.TextIOWrapper, io.TextIOWrapper]
+
+
+def make_streams() -> Streams:
+    """stdin/stdout/stderr over fds 0-2, unused: the fork server makes them once, every call inherits
+    them fresh (building them in each call copied ~50 pages of the image per call)."""
+    return reader(0), _stream(1, _Stdout), _stream(2)
+
+
+def open_streams(streams: Streams) -> None:
     """Point sys.stdin/stdout/stderr at fds 0-2 (done before the call arrives: off the critical path)."""
-    sys.stdin = reader(0)
-    sys.stdout = _stream(1, _Stdout)
-    sys.stderr = _stream(2)
+    sys.stdin, sys.stdout, sys.stderr = streams
     warnings.formatwarning = _format_warning
 
 

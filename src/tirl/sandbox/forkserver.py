@@ -43,6 +43,9 @@ STARTED = b"\x00started\n"  # first bytes on the result pipe once set-up is done
 SESSION_DONE = b"\x00done\n"  # a session's runner wrote this cell's report: its output is complete
 
 
+_streams: cell.Streams  # the calls' stdin/stdout/stderr, made once per fork server (serve)
+
+
 @dataclass
 class Prepared:
     """The supervisor's handles on a child forked and confined ahead of its call."""
@@ -94,6 +97,8 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
         raise RuntimeError("the fork server must be single-threaded")
     isolation.clean_environment()  # once here instead of in every call
     seccomp = linux.seccomp_fprog(program) if program is not None else None
+    global _streams
+    _streams = cell.make_streams()  # never written here: each child gets them as new
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     running: collections.deque[int] = collections.deque()
     sessions: dict[int, int] = {}  # pidfd -> pid of children living on as sessions (reaped when they end)
@@ -173,7 +178,7 @@ def _child(
         os.closerange(REQUEST_FD + 1, 1 << 16)  # nothing of the fork server leaks into user code
         isolation.confine_call(plan, seccomp, workdir_mb)
         _reseed()  # each child reseeds after its own fork: no two calls share random state
-        cell.open_streams()
+        cell.open_streams(_streams)
     except BaseException as exc:  # report, never run user code half-confined
         _fail(exc)
     try:
