@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fcntl
 import json
 import os
 import select
@@ -100,6 +99,13 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
     global _streams
     _streams = cell.make_streams()  # never written here: each child gets them as new
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    for fd in range(REQUEST_FD + 1):  # taken, so every pipe of a child gets a descriptor above them
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.dup2(devnull, fd, inheritable=False)
+    os.dup2(devnull, 0, inheritable=True)  # the children's stdin until their call's arrives
     running: collections.deque[int] = collections.deque()
     sessions: dict[int, int] = {}  # pidfd -> pid of children living on as sessions (reaped when they end)
     while True:
@@ -170,10 +176,10 @@ def _child(
     fds: tuple[int, int, int, int],
 ) -> None:
     """In the forked child: wire fds, confine, wait for the call, apply its limits, run it. Never returns."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in fds]  # out of the way of 0-4, which we overwrite
     try:
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        for target, fd in zip((REQUEST_FD, 1, 2, cell.RESULT_FD), high, strict=True):
+        # fd 0 stays the fork server's /dev/null until the call's stdin arrives; our pipes are >= 5
+        # (serve keeps 0-4 taken), so no dup2 below overwrites another of them.
+        for fd, target in zip(fds, (REQUEST_FD, 1, 2, cell.RESULT_FD), strict=True):
             os.dup2(fd, target)
         os.closerange(REQUEST_FD + 1, 1 << 16)  # nothing of the fork server leaks into user code
         isolation.confine_call(plan, seccomp, workdir_mb)
