@@ -70,8 +70,12 @@ class Plan:
         return cls(**{**d, "cgroup": SlotCgroup.from_dict(d["cgroup"])})
 
 
+_USERNS_PROBE = "import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare(0x10000000) != 0)"
+
+
 def userns_available() -> bool:
-    """Whether an unprivileged user may create user namespaces on this kernel."""
+    """Whether this process's user may create user namespaces: the kernel's knobs allow it and a
+    child that tries succeeds (a container's seccomp profile or an LSM can refuse what they allow)."""
     knobs = {"/proc/sys/user/max_user_namespaces": "0", "/proc/sys/kernel/unprivileged_userns_clone": "0"}
     for path, off in knobs.items():
         try:
@@ -79,7 +83,13 @@ def userns_available() -> bool:
                 return False
         except OSError:
             pass
-    return True
+    import subprocess  # here, not at the top: the zygotes import this module
+    import sys
+
+    try:
+        return subprocess.run([sys.executable, "-S", "-c", _USERNS_PROBE], timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 # ---- zygote: once per slot ----
