@@ -84,6 +84,21 @@ def test_group_memory_forgets_the_least_recently_placed_group():
     assert place(policy, "b", 10) == 0  # forgotten: the round-robin's next engine, not its old home
 
 
+def test_a_new_group_goes_where_there_is_most_free_room():
+    policy = Admission(2, "dynamic")
+    policy.set_budget(0, 10_000)
+    policy.set_budget(1, 6_000)
+    # headroom 10000 vs 6000, 7000 vs 6000, 4000 vs 6000, 4000 vs 3000
+    assert [place(policy, f"g{i}", 3_000) for i in range(4)] == [0, 0, 1, 0]
+
+
+def test_engines_that_cannot_report_their_kv_take_turns():
+    """No budget known (a backend without KV figures): every engine fits, the least loaded goes first."""
+    policy = Admission(3, "dynamic", budget_of=lambda e: None)
+    assert [place(policy, f"g{i}", 10**6) for i in range(5)] == [0, 1, 2, 0, 1]
+    assert policy.max_trajectories(0, 100) is None
+
+
 def test_idle_engine_takes_one_trajectory_longer_than_its_cache():
     policy = Admission(1, "dynamic")
     policy.set_budget(0, 1_000)
@@ -308,6 +323,14 @@ async def test_metrics_count_busy_idle_makespan_kv_and_preemptions_of_the_window
     m = pool.metrics()
     assert (m["makespan_s"], m["preemptions"]) == (0.0, 0)
     assert [(e["busy_s"], e["leases"], e["peak_in_flight"]) for e in m["engines"]] == [(0.0, 0, 0)] * 2
+
+
+async def test_the_scheduler_applies_its_reservation_rule():
+    # free_kv counts a fresh trajectory at its full L whatever `reserve` says: K = 1000 // 600
+    for rule, k in (("free_kv", 1), ("reserve", 3)):
+        pool = RolloutScheduler([_KVReporter("a", 1_000)], reserve=0.5, rule=rule)
+        async with pool.lease("g", 600):
+            assert pool.policy.max_trajectories(0, 600) == k, rule
 
 
 async def test_a_window_reset_mid_flight_counts_the_running_engine_from_the_reset():
