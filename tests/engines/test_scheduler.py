@@ -77,6 +77,18 @@ def test_group_prefers_its_engine_while_it_has_room():
     assert place(policy, "prompt-b", 2_000) != first  # a new group goes where there is most room
 
 
+def test_a_queued_trajectory_placed_on_release_joins_its_group():
+    policy = Admission(2, "dynamic")
+    for e in range(2):
+        policy.set_budget(e, 1_000)
+    placed = [policy.submit(t, t[0], 500) for t in ("a1", "b1", "a2", "b2")]
+    assert placed == [0, 1, 0, 1] and policy.submit("c1", "c", 500) is None
+    assert policy.release("a1") == [("c1", 0)]
+    for t in ("a2", "b1", "b2"):
+        policy.release(t)
+    assert policy.submit("c2", "c", 500) == 0  # its group's engine, though engine 1 has more room
+
+
 def test_group_memory_forgets_the_least_recently_placed_group():
     policy = Admission(3, "static", group_memory=2)  # static: a remembered group goes home unconditionally
     assert [place(policy, g, 10) for g in ["a", "b", "a", "c"]] == [0, 1, 0, 2]
@@ -133,8 +145,9 @@ def test_bad_arguments_are_explained():
         Admission(0)
     with pytest.raises(ValueError, match="unknown scheduler mode"):
         Admission(2, "greedy")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="reserve"):
-        Admission(2, reserve=0.0)
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match=f"reserve={share}: the share of L reserved"):
+            Admission(2, reserve=share)
     with pytest.raises(ValueError, match="unknown reservation rule"):
         Admission(2, rule="greedy")  # type: ignore[arg-type]
 
@@ -221,6 +234,7 @@ async def test_cancelled_waiter_leaves_no_reservation(hf_engines):
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
+        assert not pool.policy.queue  # at once: a dead ticket must not hold up the queue behind it
     assert pool.metrics()["waiting"] == 0 and pool.policy.slots[0].reserved == 0 and not pool.policy.queue
     with pytest.raises(ValueError, match="max_tokens"):
         async with pool.lease("c", 0):
@@ -243,6 +257,25 @@ async def test_trajectory_cancelled_just_as_it_is_placed_releases_its_slot(hf_en
     assert (slot.active, slot.reserved, pool.metrics()["in_flight"]) == (0, 0, 0)
     async with pool.lease("c", 400):  # the room is free again: placed at once, not queued
         assert pool.metrics()["in_flight"] == 1 and pool.metrics()["waiting"] == 0
+
+
+async def test_a_waiter_cancelled_as_room_frees_hands_the_room_on(hf_engines):
+    pool = RolloutScheduler(hf_engines[:1], mode="dynamic")
+    holder = pool.lease("a", 400)
+    await holder.__aenter__()
+    waiter = asyncio.create_task(pool.lease("b", 400).__aenter__())
+    await asyncio.sleep(0)  # queued
+    waiter.cancel()  # its ticket is cancelled; its own clean-up runs only at its next loop turn ...
+    await holder.__aexit__(None, None, None)  # ... after "a" finished and placed it: the room is handed on
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    slot = pool.policy.slots[0]
+    assert (slot.active, slot.reserved, pool.metrics()["waiting"], pool.metrics()["in_flight"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 async def test_growth_following_reserve_sees_the_context_the_engine_reports(hf_engines, tiny_model_dir):
@@ -310,6 +343,8 @@ async def test_metrics_count_busy_idle_makespan_kv_and_preemptions_of_the_window
     assert (ma["in_flight"], ma["peak_in_flight"], ma["leases"], mb["leases"]) == (1, 1, 1, 1)
     clock.now = 14.0
     await first.__aexit__(None, None, None)
+    clock.now = 15.0
+    assert pool.metrics()["makespan_s"] == 5.0  # b still runs: the window is still open
     clock.now = 17.0
     await second.__aexit__(None, None, None)
     clock.now = 30.0  # idle since 17: the makespan ends at the last finish
@@ -319,10 +354,27 @@ async def test_metrics_count_busy_idle_makespan_kv_and_preemptions_of_the_window
         (4.0, 3.0, 0),
         (5.0, 2.0, 0),
     ]
+    a.free = 1_000
+    async with pool.lease("g3", 600):  # a second busy period of a (both idle, a first): 30 to 32
+        clock.now = 32.0
+    m = pool.metrics()
+    assert (m["makespan_s"], m["engines"][0]["busy_s"], m["engines"][0]["leases"]) == (22.0, 6.0, 2)
     pool.reset_metrics()  # the next window: nothing counted yet, preemptions from here on
     m = pool.metrics()
     assert (m["makespan_s"], m["preemptions"]) == (0.0, 0)
     assert [(e["busy_s"], e["leases"], e["peak_in_flight"]) for e in m["engines"]] == [(0.0, 0, 0)] * 2
+
+
+class _Unnamed:
+    """An engine with no name that knows its cache size but not what is free."""
+
+    def capacity(self) -> KVCapacity:
+        return KVCapacity(1_000, None)
+
+
+def test_metrics_of_an_engine_without_a_name_or_free_kv():
+    [m] = RolloutScheduler([_Unnamed()]).metrics()["engines"]
+    assert (m["engine"], m["kv_usage"], m["kv_budget_tokens"]) == ("0", None, None)
 
 
 async def test_the_scheduler_applies_its_reservation_rule():

@@ -321,10 +321,7 @@ class RolloutScheduler:
     # --- metrics ------------------------------------------------------------------------------------
     def reset_metrics(self) -> None:
         """Start a new measurement window (e.g. one RL step's rollout phase)."""
-        self._metrics = [
-            _EngineMetrics(preemptions_at_reset=e.capacity().preemptions, busy_since=None)
-            for e in self.engines
-        ]
+        self._metrics = [_EngineMetrics(preemptions_at_reset=e.capacity().preemptions) for e in self.engines]
         now = self._clock()
         for m, slot in zip(self._metrics, self.policy.slots, strict=True):
             m.busy_since = now if slot.active else None
