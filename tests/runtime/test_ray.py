@@ -102,6 +102,7 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return _weights(latest_checkpoint(run_dir) / "model")
 
 
+@pytest.mark.timeout(900)  # two runs on the cluster; a hang guard, slow on a loaded machine
 def test_two_step_grpo_roc_on_two_nodes_matches_local(cluster, tiny_model_dir, tmp_path):
     config = _write_config(tmp_path, tiny_model_dir)
     local = run_training(load_config(TrainConfig, config, ["run_name=local"]), progress=False)
@@ -240,6 +241,7 @@ def test_unreachable_address_is_one_clear_error():
     assert "cannot reach the Ray cluster at cluster.address='127.0.0.1:9'" in proc.stderr
 
 
+@pytest.mark.timeout(900)  # a hang guard: `tirl eval` on the cluster is slow on a loaded machine
 def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_dir, tmp_path):
     """`tirl eval --cluster ray`: one evaluation over both engine actors (one per node)."""
     import subprocess
@@ -292,6 +294,7 @@ def _kill_engine0_and_a_sandbox_when_busy(done: list) -> None:
         time.sleep(0.05)  # polling another process's state: there is no event to wait on
 
 
+@pytest.mark.timeout(900)  # two runs on the cluster; a hang guard, slow on a loaded machine
 def test_a_train_step_survives_an_engine_and_a_sandbox_killed_mid_rollout(cluster, tiny_model_dir, tmp_path):
     import threading
 
@@ -359,6 +362,7 @@ def _placed(cluster, tiny_model_dir, tmp_path, colocate: bool):
     return groups, engines, trainer
 
 
+@pytest.mark.timeout(600)  # a hang guard: four actors load the model, slow on a loaded machine
 def test_colocate_puts_engine_i_and_trainer_rank_i_on_one_gpu(cluster, tiny_model_dir, tmp_path):
     """cluster.colocate=true: one placement group of one bundle per rank (both actors' CPUs, one GPU);
     engine i and trainer rank i are in bundle i, on the same node, given the same GPU."""
@@ -372,6 +376,7 @@ def test_colocate_puts_engine_i_and_trainer_rank_i_on_one_gpu(cluster, tiny_mode
     assert len({(e["node"], *e["gpu_ids"]) for e in engines}) == 2  # two pairs, two GPUs
 
 
+@pytest.mark.timeout(600)  # a hang guard: four actors load the model, slow on a loaded machine
 def test_disaggregated_engines_and_trainer_ranks_get_separate_gpus(cluster, tiny_model_dir, tmp_path):
     """cluster.colocate=false: engines in a group of their own spread over both nodes, trainer ranks in
     another; no trainer rank is given a GPU an engine holds."""
@@ -471,6 +476,7 @@ def test_driver_sigkilled_mid_stage_resumes_exactly_and_leaves_no_ray_process(
         torch.testing.assert_close(resumed_w[k], w, rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.timeout(900)  # two runs on the cluster; a hang guard, slow on a loaded machine
 def test_filter_hard_through_the_ray_runtime_matches_local(cluster, tiny_model_dir, tmp_path):
     """`tirl data filter-hard` with cluster.backend=ray: the k rollouts per problem run on both engine
     actors (one per node) and keep the same problems, with the same solve counts, as a local run."""
