@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -267,14 +268,12 @@ def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_d
     assert sum(leases) == len(PROBLEMS) * 4 and min(leases) > 0
 
 
-def _kill_engine0_and_a_sandbox_when_busy(done: list) -> None:
+def _kill_engine0_and_a_sandbox_when_busy(done: list, stop: threading.Event) -> None:
     """From another thread: once engine actor 0 has requests in flight (its free KV is below its
     total), kill it and one of the sandbox services this cluster started."""
-    import time
-
     import psutil
 
-    while True:
+    while not stop.is_set():  # set when the run ended (or failed): never kill a later test's engines
         names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)]
         engine = next((n for n in names if n.startswith("tirl-engine0-")), None)
         if engine is not None:
@@ -291,13 +290,11 @@ def _kill_engine0_and_a_sandbox_when_busy(done: list) -> None:
                     services[-1].kill()
                     done.append(True)
                     return
-        time.sleep(0.05)  # polling another process's state: there is no event to wait on
+        stop.wait(0.05)  # polling another process's state: there is no event to wait on
 
 
 @pytest.mark.timeout(900)  # two runs on the cluster; a hang guard, slow on a loaded machine
 def test_a_train_step_survives_an_engine_and_a_sandbox_killed_mid_rollout(cluster, tiny_model_dir, tmp_path):
-    import threading
-
     config = _write_config(tmp_path, tiny_model_dir)
     overrides = [
         "cluster.backend=ray",
@@ -306,9 +303,16 @@ def test_a_train_step_survives_an_engine_and_a_sandbox_killed_mid_rollout(cluste
     ]
     clean = run_training(load_config(TrainConfig, config, ["run_name=clean", *overrides]), progress=False)
     done: list = []
-    killer = threading.Thread(target=_kill_engine0_and_a_sandbox_when_busy, args=(done,), daemon=True)
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_engine0_and_a_sandbox_when_busy, args=(done, stop), daemon=True)
     killer.start()
-    faulty = run_training(load_config(TrainConfig, config, ["run_name=faulty", *overrides]), progress=False)
+    try:
+        faulty = run_training(
+            load_config(TrainConfig, config, ["run_name=faulty", *overrides]), progress=False
+        )
+    finally:
+        stop.set()
+        killer.join()
     assert done == [True]
     want, got = read_metrics(clean), read_metrics(faulty)
     assert got[-1]["infra/engine_failures"] == 1 and got[-1]["infra/rerouted_turns"] >= 1
@@ -418,7 +422,6 @@ def test_driver_sigkilled_mid_stage_resumes_exactly_and_leaves_no_ray_process(
     process they started, are gone (Ray ends a job's actors when its driver dies)."""
     import subprocess
     import sys
-    import threading
 
     import psutil
 
