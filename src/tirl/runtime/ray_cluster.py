@@ -6,9 +6,10 @@ engine actors and trainer workers on it (`cluster.colocate`).
       trainer  PG (PACK):   [T0] [T1] ...        engine i and trainer rank i share bundle i
 
 A colocated bundle holds the devices (GPUs, custom resources) once and the CPUs of both actors; each
-actor takes half of the shared amounts, so Ray gives engine i and rank i the same GPU (the fractional
-GPU trick of verl and OpenRLHF's hybrid mode, with the engine in its own actor). The engines then
-release their memory while the trainer runs (Runtime.sleep) where their backend can.
+actor takes half of the shared amounts, so Ray gives engine i and rank i the same GPU (OpenRLHF's
+colocation by fractional GPUs; verl's hybrid engine runs both in one process instead). The engines then
+release their memory while the trainer runs (Runtime.sleep) where their backend can; the weight sync
+goes over gloo then, since NCCL refuses two members of one group on one GPU (tirl.runtime.ray_learner).
 """
 
 from __future__ import annotations
