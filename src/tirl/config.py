@@ -142,4 +142,4 @@ def ensure_writable_dir(path: str | Path, what: str) -> Path:
 
 
 def dump_config(cfg: BaseModel, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False))

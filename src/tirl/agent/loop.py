@@ -100,7 +100,7 @@ async def _turns(
         gen = await _generate(
             engine, traj, cfg, special, left, None if seed is None else derive_seed(seed, turn)
         )
-        _append(traj, gen.token_ids, gen.logprobs, trained=True)
+        _append(traj, gen.token_ids, gen.logprobs, trained=True, version=gen.version)
         traj.turns += 1
         text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         traj.answer_blocks += count_answer_blocks(text)
@@ -124,7 +124,7 @@ async def _turns(
         if len(traj.response_ids) + len(segment) >= cfg.max_response_tokens:
             traj.finish_reason = "length"  # the response and at least one more token would not fit
             return
-        _append(traj, segment, [0.0] * len(segment), trained=False)
+        _append(traj, segment, [0.0] * len(segment), trained=False, version=gen.version)
     traj.finish_reason = "max_turns"
 
 
@@ -194,10 +194,11 @@ def call_source(call: ToolCall) -> str:
     return code if isinstance(code, str) else json.dumps(call.arguments, ensure_ascii=False)
 
 
-def _append(traj: Trajectory, ids: list[int], logprobs: list[float], trained: bool) -> None:
+def _append(traj: Trajectory, ids: list[int], logprobs: list[float], trained: bool, version: int) -> None:
     traj.response_ids.extend(ids)
     traj.logprobs.extend(logprobs)
     traj.loss_mask.extend([int(trained)] * len(ids))
+    traj.versions.extend([version] * len(ids))
 
 
 def _safe_emitter(on_event: EventCallback | None) -> EventCallback:

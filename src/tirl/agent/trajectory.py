@@ -44,6 +44,9 @@ class Trajectory:
     logprobs: list[float] = field(
         default_factory=list
     )  # sampling logprob per response token (0.0 where masked)
+    # Policy version per response token (tirl.engines.versions): the weights that generated it; a tool
+    # response carries the version of the turn that called the tool.
+    versions: list[int] = field(default_factory=list)
     response_text: str = ""  # decoded for reward/inspection only; never re-encoded
     turns: int = 0
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
@@ -67,6 +70,11 @@ class Trajectory:
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among its generated tokens (None: it generated nothing)."""
+        return min((v for v, m in zip(self.versions, self.loss_mask, strict=True) if m), default=None)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -27,6 +27,7 @@ class Generation:
     token_ids: list[int]  # exactly the sampled ids, never re-tokenized
     logprobs: list[float]  # logprob of each sampled id under the sampling distribution
     finish_reason: FinishReason
+    version: int = 0  # the policy version it was generated with (tirl.engines.versions; 0: not counted)
 
 
 @dataclass

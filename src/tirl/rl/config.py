@@ -22,6 +22,8 @@ class AlgorithmConfig(_Strict):
     """GRPO-RoC (SPEC.md 3). Objective choices are names of the registries in tirl.rl.advantages and
     tirl.rl.losses, or `module:function` paths to your own."""
 
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
     prompts_per_step: int = Field(512, ge=1)
     group_size: int = Field(16, ge=1)  # G: rollouts trained on per prompt
     oversample: int = Field(2, ge=1)  # RoC draws oversample*G rollouts and keeps G (1 rollout set when off)
@@ -45,6 +47,12 @@ class AlgorithmConfig(_Strict):
     # trained token's loss is weighted by min(pi_old / pi_engine, tis_cap). None (the paper): off.
     # The literature's cap is 2.0; use it with `async` or with engines whose numerics differ (bf16).
     tis_cap: float | None = Field(None, ge=1.0)
+    # Asynchronous GRPO-RoC (tirl.rl.async_rollout): the engines keep generating the next steps' groups
+    # while the trainer updates; a group whose oldest token is more than max_staleness policy versions
+    # behind the trainer is dropped and its prompt re-queued. async=false (the paper): strictly
+    # on-policy steps; max_staleness is then ignored (0), and async with max_staleness=0 is the same step.
+    async_: bool = Field(False, alias="async")
+    max_staleness: int = Field(1, ge=0)
 
     @field_validator("advantage")
     @classmethod
@@ -69,6 +77,11 @@ class AlgorithmConfig(_Strict):
 
         resolve_aggregation(v)
         return v
+
+    @property
+    def staleness_bound(self) -> int:
+        """k: how many policy versions behind the trainer a trained token may be (0 when synchronous)."""
+        return self.max_staleness if self.async_ else 0
 
     @property
     def rollouts_per_prompt(self) -> int:

@@ -20,19 +20,21 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 
 from tirl.config import ConfigError
+from tirl.engines.versions import WeightVersions
 from tirl.eval.commands import check_context
 from tirl.rl import trajectory_sample
 from tirl.rl.advantages import resolve_advantage
+from tirl.rl.async_rollout import GroupProducer
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
 from tirl.rl.config import AlgorithmConfig, StageConfig, TrainConfig
 from tirl.rl.distributed import (
@@ -48,11 +50,13 @@ from tirl.rl.metrics import AlertMonitor, MetricsLogger, Timer, reward_metrics, 
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler
-from tirl.runtime import Runtime, generate, open_runtime, score
+from tirl.runtime import Runtime, open_runtime
 from tirl.seeds import derive_seed
 
 if TYPE_CHECKING:
     from tirl.runtime.ray_cluster import Placement
+
+T = TypeVar("T")
 
 FAULT_ENV = "TIRL_FAULT"
 
@@ -222,6 +226,14 @@ class Run:
     state: TrainerState
     logger: MetricsLogger | None
     alerts: AlertMonitor
+    versions: WeightVersions | None = None  # the engines' policy version and sync gate (rank 0 only)
+    reward_stats: dict = field(default_factory=dict)  # the reward pool's counters at the last step's end
+
+    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking learner call; in async mode off the event loop, so rollouts go on meanwhile."""
+        if self.cfg.algorithm.async_:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
 
 def stage_agent_config(cfg: TrainConfig, stage: StageConfig):
@@ -245,66 +257,89 @@ def load_stage_problems(stage: StageConfig) -> list:
     return problems
 
 
-async def rl_step(run: Run, stage: StageConfig, problems: list, sampler: EpochSampler) -> dict:
-    """One GRPO-RoC step: prompts -> rollouts -> rewards -> RoC -> advantages -> update -> sync -> metrics."""
+async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
+    """One GRPO-RoC step: prompts -> rollouts -> rewards -> RoC -> advantages -> update -> sync -> metrics.
+
+    Steps 1-4 stream inside `producer` (tirl.rl.async_rollout): prompts are drawn and rolled out as
+    there is room, each trajectory is scored as it ends and each group goes through RoC as its last
+    member ends; with `algorithm.async` it keeps generating the next steps' groups during 6 and 7.
+    """
     cfg, alg, info, step = run.cfg, run.cfg.algorithm, run.info, run.state.step
     timer = Timer()
+    start, busy_before = time.perf_counter(), run.versions.busy_seconds() if run.versions else 0.0
     metrics: dict = {"stage": run.state.stage}
     samples: list[TrainSample] | None = None
     if info.is_main:
-        # 1. sample prompts (deterministic in (seed, stage, epoch, position))
-        batch = [problems[i] for i in sampler.next(alg.prompts_per_step)]
-        metrics["batch"] = [p.id for p in batch]
-        # 2. 2G rollouts per prompt on the engine pool, tool calls in the sandbox as each turn ends
         rt = run.runtime
-        reward_before = rt.scorer.stats.as_dict()
-        with timer("rollout"):
-            groups = await generate(
-                rt, batch, alg.rollouts_per_prompt, stage_agent_config(cfg, stage),
-                seed=derive_seed(cfg.seed, step), concurrency=cfg.rollout_concurrency,
-                on_done=lambda _: fault_point("rollout", step + 1),
-            )  # fmt: skip
+        # 1-4. the step's P complete groups: sampled prompts (deterministic in (seed, stage, epoch,
+        # position)), 2G rollouts each on the engine pool with tool calls in the sandbox as each turn
+        # ends, binary answer-only rewards (math-verify in worker processes) as each trajectory ends,
+        # and Resample-on-Correct's G of 2G as each group completes (of the trajectories no
+        # infrastructure error ended). Groups more than k versions stale are dropped and re-queued.
+        with timer("rollout"):  # the trainer waits for the groups (its idle time)
+            batch = await producer.take(step)
+        metrics["batch"] = [p.id for p in batch.problems]
+        groups, kept = batch.groups, batch.kept
         metrics |= rt.engine_metrics()  # the scheduler's per-engine window of this step
-        # 3. binary answer-only rewards (math-verify in worker processes)
-        with timer("reward"):
-            await score(rt, groups, batch)
-        metrics |= reward_metrics(reward_before, rt.scorer.stats.as_dict())
-        # 4. Resample-on-Correct: keep G of 2G per group (of the trajectories no infrastructure error ended)
-        kept = [roc_select(g, alg, derive_seed(cfg.seed, step, i)) for i, g in enumerate(groups)]
+        reward_now = rt.scorer.stats.as_dict()
+        metrics |= reward_metrics(run.reward_stats, reward_now) | batch.metrics
+        run.reward_stats = reward_now
         # 5. group-relative advantages on the kept members
         samples = build_samples(groups, kept, alg.advantage)
         metrics |= rollout_metrics(groups, kept, alg.no_tool_p_err)  # on ALL trajectories
         if cfg.logging.trajectories_per_step:  # a bounded sample, with RoC's view of it, for `tirl view`
             trajectory_sample.append(cfg.run_dir, trajectory_sample.step_sample(
-                step + 1, run.state.stage, batch, groups, kept, cfg.logging.trajectories_per_step,
+                step + 1, run.state.stage, batch.problems, groups, kept, cfg.logging.trajectories_per_step,
                 cfg.seed, alg.advantage, alg.no_tool_p_err,
             ))  # fmt: skip
         generated = sum(sum(t.loss_mask) for g in groups for t in g)
         metrics["perf/rollout_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
     # 6. update: every rank trains on its share of the kept samples
     samples = broadcast_object(samples, info)
-    colocated = run.runtime is not None and cfg.cluster.colocated
-    if colocated:  # engines sharing the trainer's devices free their memory for training
+    # engines sharing the trainer's devices free their memory for training; async ones keep generating
+    colocated = run.runtime is not None and cfg.cluster.colocated and not alg.async_
+    if colocated:
         metrics["colocate/engines_asleep"] = run.runtime.sleep()
     with timer("train"):
-        metrics |= run.learner.update(samples, alg)
+        metrics |= await run.blocking(run.learner.update, samples, alg)
     fault_point("update", step + 1)
     if colocated:
         run.runtime.wake_up()
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
-    # 7. weight sync: the engines sample from the updated policy from the next step on
+    # 7. weight sync: the engines sample from the updated policy from the next turn on
     with timer("sync"):
-        metrics |= run.learner.sync_weights(run.runtime)
+        if run.versions is None:
+            metrics |= run.learner.sync_weights(run.runtime)
+        else:  # between turns: those in flight end first, the next ones wait for the new weights
+            async with run.versions.syncing(step + 1):
+                metrics |= await run.blocking(run.learner.sync_weights, run.runtime)
+            producer.synced(step + 1)
+    metrics |= _idle_metrics(run, timer, time.perf_counter() - start, busy_before)
     return metrics | timer.metrics()
 
 
-def checkpoint(run: Run, sampler: EpochSampler) -> None:
+def _idle_metrics(run: Run, timer: Timer, wall_s: float, busy_before: float) -> dict:
+    """Shares of the step's wall time the trainer waited for groups, and no engine generated a turn."""
+    if run.versions is None:
+        return {}
+    busy = run.versions.busy_seconds() - busy_before
+    wall = max(wall_s, 1e-9)
+    return {
+        "async/trainer_idle_frac": timer.seconds["rollout"] / wall,
+        "async/engine_idle_frac": max(0.0, 1.0 - busy / wall),
+    }
+
+
+def checkpoint(run: Run, sampler: EpochSampler, producer: GroupProducer | None) -> None:
+    """Weights, optimizer, schedule, RNG, counters, and where the prompt stream stands: the sampler and
+    the draws admitted but not trained on yet (their trajectories are regenerated on resume)."""
     st = run.state
     trainer_state = {
         "step": st.step,
         "stage": st.stage,
         "stage_step": st.stage_step,
         "sampler": sampler.state_dict(),
+        "producer": producer.state_dict() if producer is not None else None,
     }
     tokenizer = run.runtime.tokenizer if run.runtime else None
     run.learner.save(run.cfg.run_dir, st.step, tokenizer, trainer_state, run.cfg.checkpoint.keep_last)
@@ -350,6 +385,9 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
                 open_main_runtime(cfg, model_path, info, placement) as runtime,
             ):
                 run = Run(cfg, info, learner, runtime, state, logger, AlertMonitor(cfg.logging))
+                if runtime is not None:
+                    run.versions = WeightVersions(state.step)
+                    run.reward_stats = runtime.scorer.stats.as_dict()
                 for stage_index in range(state.stage, len(cfg.stages)):
                     await _run_stage(run, stage_index, saved if stage_index == state.stage else None, console)
                     saved = None
@@ -381,20 +419,41 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
     console.print(
         f"[bold]stage {stage.name}[/] ({stage_index + 1}/{len(cfg.stages)}): {stage.steps} steps, {n} problems"
     )
-    while st.stage_step < stage.steps:
-        start = time.perf_counter()
-        metrics = await rl_step(run, stage, problems, sampler)
-        st.step, st.stage_step = st.step + 1, st.stage_step + 1
-        metrics["time/step_s"] = time.perf_counter() - start
-        if run.info.is_main:
-            _report(run, stage, metrics, console)
-            fault_point("logged", st.step)
-        # Metrics first, then the checkpoint: a kill in between only makes the resumed run redo
-        # (and re-log) this step; the reverse order could lose its metrics line.
-        if st.step % cfg.checkpoint.every == 0 or st.stage_step == stage.steps:
-            checkpoint(run, sampler)
+    producer = _open_producer(run, stage, problems, sampler, saved) if problems else None
+    try:
+        while st.stage_step < stage.steps:
+            start = time.perf_counter()
+            metrics = await rl_step(run, producer)
+            st.step, st.stage_step = st.step + 1, st.stage_step + 1
+            metrics["time/step_s"] = time.perf_counter() - start
+            if run.info.is_main:
+                _report(run, stage, metrics, console)
+                fault_point("logged", st.step)
+            # Metrics first, then the checkpoint: a kill in between only makes the resumed run redo
+            # (and re-log) this step; the reverse order could lose its metrics line.
+            if st.step % cfg.checkpoint.every == 0 or st.stage_step == stage.steps:
+                checkpoint(run, sampler, producer)
+    finally:
+        if producer is not None:
+            await producer.close()
     st.stage = stage_index + 1
     st.stage_step = 0
+
+
+def _open_producer(
+    run: Run, stage: StageConfig, problems: list, sampler: EpochSampler, saved: dict | None
+) -> GroupProducer:
+    """The stage's group stream (rank 0), resumed from a checkpoint's pending draws if there is one."""
+    cfg, alg, st = run.cfg, run.cfg.algorithm, run.state
+    return GroupProducer(
+        run.runtime, run.versions, problems, sampler, stage_agent_config(cfg, stage),
+        lambda group, seed: roc_select(group, alg, seed),
+        prompts_per_step=alg.prompts_per_step, rollouts_per_prompt=alg.rollouts_per_prompt,
+        max_staleness=alg.staleness_bound, seed=cfg.seed, first_step=st.step - st.stage_step,
+        steps=stage.steps, steps_done=st.stage_step, concurrency=cfg.rollout_concurrency,
+        on_trajectory=lambda _: fault_point("rollout", st.step + 1),
+        state=saved.get("producer") if saved else None,
+    )  # fmt: skip
 
 
 def _report(run: Run, stage: StageConfig, metrics: dict, console) -> None:

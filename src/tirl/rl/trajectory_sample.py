@@ -27,7 +27,7 @@ _STREAM = 0x7472616A  # keeps this sample's random numbers apart from every othe
 def compact(t: Trajectory) -> dict:
     """The trajectory without its token ids and log-probs; token counts per turn instead."""
     d = t.to_dict()
-    for key in ("prompt_ids", "response_ids", "loss_mask", "logprobs"):
+    for key in ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions"):
         del d[key]
     return d | {"prompt_tokens": len(t.prompt_ids), "turn_tokens": turn_token_counts(t.loss_mask)}
 
