@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -74,14 +75,17 @@ def _sampled(run_dir: Path) -> list[tuple]:
     ]
 
 
-def _train_until_killed(config: Path, fault: str, resume: bool) -> None:
+def _train_until_killed(
+    config: Path, fault: str, resume: bool, overrides: Sequence[str] = (), name: str = "killed"
+) -> None:
     """`tirl train` in a subprocess that the trainer's fault hook SIGKILLs at `fault` ("PHASE:STEP")."""
     env = {
         **os.environ,
         FAULT_ENV: fault,
         "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "--quiet", "run_name=killed"]
+    cmd = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "--quiet", f"run_name={name}"]
+    cmd += list(overrides)
     proc = subprocess.Popen(
         cmd + (["--resume"] if resume else []), env=env, start_new_session=True, stderr=subprocess.PIPE
     )

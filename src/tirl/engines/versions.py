@@ -1,18 +1,19 @@
-"""Policy versions of the engines' weights, and the gate that keeps a weight sync out of a turn.
+"""Policy versions of the engines' weights: which weights generated each token.
 
 The trainer's policy version is the number of RL steps whose update reached the engines. Every turn a
-trajectory generates through a `VersionedPool` records the version it was generated with
-(`Generation.version`, then one entry per token in `Trajectory.versions`), so a trajectory whose turns
-straddle a weight sync (a partial rollout in asynchronous training) keeps the version of each token.
+trajectory generates through a `VersionedPool` records the version the engines held when the turn
+started (`Generation.version`, then one entry per token in `Trajectory.versions`), so a trajectory
+whose turns straddle a weight sync (a partial rollout in asynchronous training) keeps each turn's own
+version. `WeightVersions` also measures how long at least one turn was being generated (the engines'
+busy time) for the idle-fraction metrics.
 
-`WeightVersions` is a readers-writer gate: generate calls are readers and run concurrently; a weight
-sync is the writer: it waits until the turns in flight end, holds new turns back while the weights
-load, bumps the version and lets them go. It also measures how long at least one turn was being
-generated (the engines' busy time) for the idle-fraction metrics.
-
-Departure from AReaL-style interruptible generation: weights change between turns, never inside one
-(vLLM cannot swap weights under a running request without aborting and recomputing it); so a sync
-waits for the longest turn in flight, and one turn's tokens always share one version.
+A sync does not wait for the turns in flight: both engines load weights between two decode steps
+(the HF engine under its model lock, vLLM between scheduler steps, recomputing running requests'
+KV), so a request in flight goes on under the new weights, as in AReaL's and verl's partial
+rollouts. Departure: such a turn records the version it STARTED with for all its tokens, a lower
+bound on the truth (the engines cannot say which token came after the swap), so the staleness
+bound is conservative (a group may be counted staler than it is, never fresher); the engine's
+sampling log-probs that TIS weighs against are the true behaviour policy either way.
 """
 
 from __future__ import annotations
@@ -28,50 +29,37 @@ from tirl.engines.base import Engine, EnginePool, Generation, SamplingParams
 
 
 class WeightVersions:
-    """The engines' current policy version and the sync gate (one per event loop)."""
+    """The engines' current policy version, and their busy time (one per event loop)."""
 
     def __init__(self, version: int = 0, clock: Callable[[], float] = time.monotonic):
         self.version = version
         self._clock = clock
         self._in_flight = 0
-        self._syncing = False
-        self._cond = asyncio.Condition()
         self._busy_s = 0.0
         self._busy_since: float | None = None
+        self._sync = asyncio.Lock()
 
     @asynccontextmanager
     async def generating(self) -> AsyncIterator[int]:
-        """Hold the gate open for one turn; yields the version the turn is generated with."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._syncing)
-            if self._in_flight == 0:
-                self._busy_since = self._clock()
-            self._in_flight += 1
+        """Around one turn's generation: yields the version it starts with; counts the engines busy."""
+        if self._in_flight == 0:
+            self._busy_since = self._clock()
+        self._in_flight += 1
         try:
             yield self.version
         finally:
-            async with self._cond:
-                self._in_flight -= 1
-                if self._in_flight == 0 and self._busy_since is not None:
-                    self._busy_s += self._clock() - self._busy_since
-                    self._busy_since = None
-                self._cond.notify_all()
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._busy_since is not None:
+                self._busy_s += self._clock() - self._busy_since
+                self._busy_since = None
 
     @asynccontextmanager
     async def syncing(self, version: int) -> AsyncIterator[None]:
-        """Drain the turns in flight, hold new ones while the body loads the weights, then set `version`
-        (only if the body succeeded: a failed sync leaves the engines' version as it was)."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._syncing)
-            self._syncing = True
-            await self._cond.wait_for(lambda: self._in_flight == 0)
-        try:
+        """Around loading the weights of `version` into the engines (one sync at a time): turns that start
+        after it record `version`; a failed sync leaves the engines' version as it was."""
+        async with self._sync:
             yield
             self.version = version
-        finally:
-            async with self._cond:
-                self._syncing = False
-                self._cond.notify_all()
 
     def busy_seconds(self) -> float:
         """Total time at least one turn was being generated (engines busy), up to now."""
@@ -80,7 +68,7 @@ class WeightVersions:
 
 
 class _VersionedEngine:
-    """The leased engine with every generate call passing the gate and stamped with its version."""
+    """The leased engine, every generation stamped with the version it started with."""
 
     def __init__(self, engine: Engine, versions: WeightVersions, on_version: Callable[[int], None] | None):
         self._engine = engine

@@ -9,8 +9,9 @@
   `algorithm.async`, else 0), and never more than the stage's remaining steps need. With k = 0 the next
   step's prompts are admitted only after the weight sync, so the step is exactly the synchronous one
   (same prompts, seeds and weights); with k > 0 the engines generate up to k steps ahead while the
-  trainer updates, and weights are synced into them between turns (tirl.engines.versions): a
-  trajectory in flight continues under the new weights, its tokens keeping their versions.
+  trainer updates, and weights are synced into them while trajectories are in flight
+  (tirl.engines.versions): a trajectory continues under the new weights, its turns keeping the
+  versions they were generated with.
 - taking a step: `take(version)` waits for P complete groups (first complete, first taken) and hands
   them over in draw order. A group whose oldest token is more than k versions behind the trainer is
   never trained on: it is dropped (counted) and its prompt re-queued at the front with fresh seeds.

@@ -156,6 +156,16 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _async_engines_stay_awake(self) -> TrainConfig:
+        if self.algorithm.async_ and self.engine.enable_sleep_mode:
+            raise ValueError(
+                "algorithm.async keeps the engines generating while the trainer updates, so they cannot "
+                "sleep: set engine.enable_sleep_mode=false and give engines and trainer their own GPUs "
+                "(cluster.backend=ray)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tis_compares_like_with_like(self) -> TrainConfig:
         # The engine reports log-probs of its sampling distribution (tempered, nucleus-renormalized); the
         # trainer's are of the plain softmax: the TIS ratio is only an importance weight when they agree.

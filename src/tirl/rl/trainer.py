@@ -310,7 +310,7 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
     with timer("sync"):
         if run.versions is None:
             metrics |= run.learner.sync_weights(run.runtime)
-        else:  # between turns: those in flight end first, the next ones wait for the new weights
+        else:  # turns in flight go on under the new weights (partial rollouts; tirl.engines.versions)
             async with run.versions.syncing(step + 1):
                 metrics |= await run.blocking(run.learner.sync_weights, run.runtime)
             producer.synced(step + 1)
