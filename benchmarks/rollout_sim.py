@@ -20,12 +20,14 @@ Modelled:
   all short, so engines given whole groups up front get unequal work.
 Not modelled: shared-prefix reuse within a group (both modes keep a group on one engine), prefix
 cache hits on re-admission after preemption (the freed blocks are usually reused at once under
-overflow), chunked-prefill step limits, and the trainer's time.
+overflow), chunked-prefill step limits, and the trainer's time (benchmarks/async_sim.py drives
+`RolloutSim` with a trainer).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import OrderedDict, deque
@@ -83,14 +85,14 @@ class Workload:
 
     def sample(self, seed: int = 0) -> list[TrajectorySpec]:
         rng = random.Random(seed)
-        specs = []
-        for p in range(self.prompts):
-            prompt = min(int(self.prompt_tokens(rng)) + 16, self.max_len // 4)
-            sigma = self.difficulty_sigma
-            difficulty = rng.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
-            for _ in range(self.group_size):
-                specs.append(self._trajectory(rng, f"p{p}", prompt, difficulty))
-        return specs
+        return [spec for p in range(self.prompts) for spec in self.sample_group(rng, f"p{p}")]
+
+    def sample_group(self, rng: random.Random, group: str) -> list[TrajectorySpec]:
+        """One prompt's `group_size` rollouts (sharing its prompt length and difficulty)."""
+        prompt = min(int(self.prompt_tokens(rng)) + 16, self.max_len // 4)
+        sigma = self.difficulty_sigma
+        difficulty = rng.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
+        return [self._trajectory(rng, group, prompt, difficulty) for _ in range(self.group_size)]
 
     def _trajectory(self, rng: random.Random, group: str, prompt: int, difficulty: float) -> TrajectorySpec:
         stop = 1.0 / max(self.mean_turns * difficulty, 1.0)
@@ -151,6 +153,7 @@ class _Engine:
         self.batch_time = 0.0
         self.preemptions = 0
         self.recomputed = 0
+        self.pending_prefill = 0  # KV to recompute before the next step (after a weight sync)
 
     def _evict_until(self, free_needed: int) -> None:
         while self.cached and self.model.kv_tokens - self.running_kv - self.cached_kv < free_needed:
@@ -190,7 +193,9 @@ class _Engine:
         m = self.model
         prefill = self._admit()
         if not self.running:
+            self.pending_prefill = 0
             return 0.0, []
+        prefill, self.pending_prefill = prefill + self.pending_prefill, 0
         while self.running_kv + len(self.running) > m.kv_tokens and len(self.running) > 1:
             self._preempt_newest()
         n = len(self.running)
@@ -235,96 +240,165 @@ def simulate(
     tool calls start when the engine's whole batch has ended its turn, and the next turn waits
     for the slowest tool call. Otherwise a tool call starts the moment its turn ends.
     """
-    if sync_turns and mode != "static":
-        raise ValueError("sync_turns models the turn-synchronous static baseline: use mode='static'")
-    longest = max(s.length for s in specs)
-    if longest > min(max_len, engine.kv_tokens):
-        raise ValueError(
-            f"a trajectory of {longest} tokens exceeds L={max_len} or the KV cache ({engine.kv_tokens})"
+    sim = RolloutSim(n_engines, engine, mode, max_len, reserve, rule, sync_turns)
+    for spec in specs:
+        sim.submit(spec)
+    sim.run()
+    return sim.result()
+
+
+class RolloutSim:
+    """The event loop of `simulate`, open to drivers that submit trajectories over time and schedule
+    their own events (benchmarks/async_sim.py: a trainer consuming groups while engines generate).
+
+    `on_start(index)` is told when a trajectory is placed on an engine (its first turn queues there),
+    `on_finish(index, time)` when its last turn ends; `pause(seconds)` stops every
+    engine's decoding (a weight sync) and makes each re-prefill its running requests' KV afterwards
+    (vLLM recomputes in-flight requests after a weight load).
+    """
+
+    def __init__(
+        self,
+        n_engines: int,
+        engine: EngineModel,
+        mode: Mode,
+        max_len: int,
+        reserve: float = 1.0,
+        rule: Rule = "reserve",
+        sync_turns: bool = False,
+    ):
+        if sync_turns and mode != "static":
+            raise ValueError("sync_turns models the turn-synchronous static baseline: use mode='static'")
+        self.model, self.mode, self.max_len, self.sync_turns = engine, mode, max_len, sync_turns
+        self.engines = [_Engine(e, engine) for e in range(n_engines)]
+        self.policy: Admission[_Trajectory] = Admission(
+            n_engines, mode, budget_of=lambda e: engine.kv_tokens, reserve=reserve, rule=rule
         )
-    engines = [_Engine(e, engine) for e in range(n_engines)]
-    policy: Admission[_Trajectory] = Admission(
-        n_engines, mode, budget_of=lambda e: engine.kv_tokens, reserve=reserve, rule=rule
-    )
-    trajs = [_Trajectory(i, s) for i, s in enumerate(specs)]
-    events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, index)
-    seq = 0
+        self.trajs: list[_Trajectory] = []
+        self.events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, index)
+        self._seq = 0
+        self._calls: dict[int, Callable[[], None]] = {}
+        self._call_ids = itertools.count()
+        self.tool_returns: list[list[float]] = [[] for _ in self.engines]  # per engine: pending tool results
+        self.round_tools: list[list[_Trajectory]] = [
+            [] for _ in self.engines
+        ]  # sync_turns: this turn's calls
+        self.now = 0.0
+        self.generated = 0
+        self.paused_until = 0.0
+        self.on_start: Callable[[int], None] | None = None
+        self.on_finish: Callable[[int, float], None] | None = None
 
-    def push(t: float, kind: str, index: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, index))
+    def submit(self, spec: TrajectorySpec) -> int:
+        """Queue one trajectory now; returns its index."""
+        if spec.length > min(self.max_len, self.model.kv_tokens):
+            raise ValueError(
+                f"a trajectory of {spec.length} tokens exceeds L={self.max_len} or the KV cache ({self.model.kv_tokens})"
+            )
+        traj = _Trajectory(len(self.trajs), spec)
+        self.trajs.append(traj)
+        e = self.policy.submit(traj, spec.group, self.max_len)
+        if e is not None:
+            self._start(traj, e, self.now)
+        return traj.index
 
-    def start(traj: _Trajectory, e: int, t: float) -> None:
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        """Call fn at simulated time t."""
+        call = next(self._call_ids)
+        self._calls[call] = fn
+        self._push(t, "call", call)
+
+    def pause(self, seconds: float) -> None:
+        """All engines stop decoding for `seconds` from now, then re-prefill their running requests."""
+        self.paused_until = max(self.paused_until, self.now + seconds)
+        for eng in self.engines:
+            eng.pending_prefill += sum(r.traj.context for r in eng.running)
+            eng.recomputed += sum(r.traj.context for r in eng.running)
+
+    def _push(self, t: float, kind: str, index: int) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, kind, index))
+
+    def _start(self, traj: _Trajectory, e: int, t: float) -> None:
+        if self.on_start is not None:
+            self.on_start(traj.index)
         traj.engine = e
-        engines[e].waiting.append(_Request(traj, traj.spec.prompt_tokens, traj.spec.turn_tokens[0]))
-        wake(e, t)
+        self.engines[e].waiting.append(_Request(traj, traj.spec.prompt_tokens, traj.spec.turn_tokens[0]))
+        self._wake(e, t)
 
-    def wake(e: int, t: float) -> None:
-        if not engines[e].awake:
-            engines[e].awake = True
-            push(t, "engine", e)
+    def _wake(self, e: int, t: float) -> None:
+        if not self.engines[e].awake:
+            self.engines[e].awake = True
+            self._push(t, "engine", e)
 
-    tool_returns: list[list[float]] = [[] for _ in engines]  # per engine: pending tool-result times
-    round_tools: list[list[_Trajectory]] = [[] for _ in engines]  # sync_turns: this turn's tool calls
-
-    def next_tool_return(e: int, now: float) -> float:
-        pending = tool_returns[e]
+    def _next_tool_return(self, e: int, now: float) -> float:
+        pending = self.tool_returns[e]
         while pending and pending[0] <= now:
             heapq.heappop(pending)
         return pending[0] if pending else math.inf
 
-    for traj in trajs:
-        e = policy.submit(traj, traj.spec.group, max_len)
-        if e is not None:
-            start(traj, e, 0.0)
-    now = 0.0
-    generated = 0
-    while events:
-        now, _, kind, index = heapq.heappop(events)
-        if kind == "tool":  # tool result is back: the next turn queues on the trajectory's engine
-            traj = trajs[index]
-            req = _Request(traj, traj.spec.tool_tokens[traj.turn - 1], traj.spec.turn_tokens[traj.turn])
-            engines[traj.engine].waiting.append(req)
-            wake(traj.engine, now)
-            continue
-        eng = engines[index]
-        duration, finished = eng.step(now, next_tool_return(index, now))
+    def run(self) -> None:
+        """Process events until none is left."""
+        while self.events:
+            self.now, _, kind, index = heapq.heappop(self.events)
+            if kind == "call":
+                self._calls.pop(index)()
+            elif kind == "tool":  # tool result is back: the next turn queues on the trajectory's engine
+                traj = self.trajs[index]
+                req = _Request(traj, traj.spec.tool_tokens[traj.turn - 1], traj.spec.turn_tokens[traj.turn])
+                self.engines[traj.engine].waiting.append(req)
+                self._wake(traj.engine, self.now)
+            elif self.now < self.paused_until:  # a weight sync holds the engine
+                self._push(self.paused_until, "engine", index)
+            else:
+                self._engine_step(index)
+
+    def _engine_step(self, index: int) -> None:
+        eng, now = self.engines[index], self.now
+        duration, finished = eng.step(now, self._next_tool_return(index, now))
         if duration == 0.0:
             eng.awake = False
-            if round_tools[index]:  # the batch ended its turn: run its tool calls, wait for the slowest
-                back = now + max(t.spec.tool_latency_s[t.turn - 1] for t in round_tools[index])
-                for traj in round_tools[index]:
-                    push(back, "tool", traj.index)
-                round_tools[index].clear()
-            continue
+            if self.round_tools[index]:  # the batch ended its turn: run its tool calls, wait for the slowest
+                back = now + max(t.spec.tool_latency_s[t.turn - 1] for t in self.round_tools[index])
+                for traj in self.round_tools[index]:
+                    self._push(back, "tool", traj.index)
+                self.round_tools[index].clear()
+            return
         end = now + duration
-        push(end, "engine", index)
+        self._push(end, "engine", index)
         for req in eng.running + finished:  # the scheduler follows each trajectory's real KV
-            policy.observe(req.traj, req.traj.context)
+            self.policy.observe(req.traj, req.traj.context)
         for req in finished:
             traj = req.traj
-            generated += traj.spec.turn_tokens[traj.turn]
+            self.generated += traj.spec.turn_tokens[traj.turn]
             traj.turn += 1
             if traj.turn < len(traj.spec.turn_tokens):
                 eng.keep_prefix(traj)
-                if sync_turns:
-                    round_tools[index].append(traj)
+                if self.sync_turns:
+                    self.round_tools[index].append(traj)
                     continue
                 back = end + traj.spec.tool_latency_s[traj.turn - 1]
-                push(back, "tool", traj.index)
-                heapq.heappush(tool_returns[index], back)
+                self._push(back, "tool", traj.index)
+                heapq.heappush(self.tool_returns[index], back)
             else:
-                for waiting, e in policy.release(traj):
-                    start(waiting, e, end)
-    makespan = now
-    busy = sum(e.busy_s for e in engines)
-    return SimResult(
-        mode=mode,
-        makespan_s=makespan,
-        preemptions=sum(e.preemptions for e in engines),
-        recomputed_tokens=sum(e.recomputed for e in engines),
-        generated_tokens=generated,
-        utilization=busy / (makespan * n_engines) if makespan else 0.0,
-        mean_batch=sum(e.batch_time for e in engines) / busy if busy else 0.0,
-    )
+                for waiting, e in self.policy.release(traj):
+                    self._start(waiting, e, end)
+                if self.on_finish is not None:
+                    self.at(end, lambda i=traj.index, t=end: self.on_finish(i, t))
+
+    def busy_seconds(self) -> float:
+        return sum(e.busy_s for e in self.engines)
+
+    def result(self) -> SimResult:
+        makespan = self.now
+        busy = self.busy_seconds()
+        n = len(self.engines)
+        return SimResult(
+            mode=self.mode,
+            makespan_s=makespan,
+            preemptions=sum(e.preemptions for e in self.engines),
+            recomputed_tokens=sum(e.recomputed for e in self.engines),
+            generated_tokens=self.generated,
+            utilization=busy / (makespan * n) if makespan else 0.0,
+            mean_batch=sum(e.batch_time for e in self.engines) / busy if busy else 0.0,
+        )

@@ -18,11 +18,10 @@ from tirl.rl.trainer import run_training
 
 K0 = ["algorithm.async=true", "algorithm.max_staleness=0"]
 K1 = ["algorithm.async=true", "algorithm.max_staleness=1"]
-IDLE = ("async/trainer_idle_frac", "async/engine_idle_frac")  # timings
 
 
 def _rows(run_dir) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in IDLE} for r in _comparable(read_metrics(run_dir))]
+    return _comparable(read_metrics(run_dir))  # all but timings and throughput
 
 
 def _weights(run_dir) -> dict[str, torch.Tensor]:

@@ -325,8 +325,8 @@ def _idle_metrics(run: Run, timer: Timer, wall_s: float, busy_before: float) -> 
     busy = run.versions.busy_seconds() - busy_before
     wall = max(wall_s, 1e-9)
     return {
-        "async/trainer_idle_frac": timer.seconds["rollout"] / wall,
-        "async/engine_idle_frac": max(0.0, 1.0 - busy / wall),
+        "perf/trainer_idle_frac": timer.seconds["rollout"] / wall,
+        "perf/engine_idle_frac": max(0.0, 1.0 - busy / wall),
     }
 
 
