@@ -274,6 +274,8 @@ class RolloutSim:
         self.policy: Admission[_Trajectory] = Admission(
             n_engines, mode, budget_of=lambda e: engine.kv_tokens, reserve=reserve, rule=rule
         )
+        # A full-L reservation never changes (a context never outgrows L): no need to report growth.
+        self._follow_kv = rule != "reserve" or reserve < 1.0
         self.trajs: list[_Trajectory] = []
         self.events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, index)
         self._seq = 0
@@ -366,8 +368,9 @@ class RolloutSim:
             return
         end = now + duration
         self._push(end, "engine", index)
-        for req in eng.running + finished:  # the scheduler follows each trajectory's real KV
-            self.policy.observe(req.traj, req.traj.context)
+        if self._follow_kv:  # the scheduler follows each trajectory's real KV
+            for req in eng.running + finished:
+                self.policy.observe(req.traj, req.traj.context)
         for req in finished:
             traj = req.traj
             self.generated += traj.spec.turn_tokens[traj.turn]

@@ -57,7 +57,8 @@ async def test_a_turn_keeps_the_version_it_started_with_across_a_sync():
     end_turn.set()
     await first
     assert seen == [3, 4] and versions.version == 4
-    assert versions.busy_seconds() == 1.0  # busy from the first turn's start (tick 0) to its end (tick 1)
+    # busy from the first turn's start (tick 0) to its end (tick 1); snapshot reads tick 2 (nothing runs)
+    assert versions.snapshot().busy_s == 1.0
 
     async def failing():
         async with versions.syncing(5):

@@ -5,7 +5,7 @@ trajectory generates through a `VersionedPool` records the version the engines h
 started (`Generation.version`, then one entry per token in `Trajectory.versions`), so a trajectory
 whose turns straddle a weight sync (a partial rollout in asynchronous training) keeps each turn's own
 version. `WeightVersions` also measures how long at least one turn was being generated (the engines'
-busy time) for the idle-fraction metrics.
+busy time) and how many tokens were generated, for the idle-fraction and throughput metrics.
 
 A sync does not wait for the turns in flight: both engines load weights between two decode steps
 (the HF engine under its model lock, vLLM between scheduler steps, recomputing running requests'
@@ -23,9 +23,16 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from tirl.engines.base import Engine, EnginePool, Generation, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineActivity:
+    busy_s: float  # time at least one turn was being generated
+    tokens: int  # tokens generated
 
 
 class WeightVersions:
@@ -37,6 +44,7 @@ class WeightVersions:
         self._in_flight = 0
         self._busy_s = 0.0
         self._busy_since: float | None = None
+        self._tokens = 0
         self._sync = asyncio.Lock()
 
     @asynccontextmanager
@@ -61,10 +69,13 @@ class WeightVersions:
             yield
             self.version = version
 
-    def busy_seconds(self) -> float:
-        """Total time at least one turn was being generated (engines busy), up to now."""
+    def generated(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def snapshot(self) -> EngineActivity:
+        """Busy time and generated tokens so far (metrics take differences of two snapshots)."""
         running = self._clock() - self._busy_since if self._busy_since is not None else 0.0
-        return self._busy_s + running
+        return EngineActivity(self._busy_s + running, self._tokens)
 
 
 class _VersionedEngine:
@@ -80,6 +91,7 @@ class _VersionedEngine:
             if self._on_version is not None:
                 self._on_version(version)
             generation = await self._engine.generate(prompt_ids, params)
+        self._versions.generated(len(generation.token_ids))
         return dataclasses.replace(generation, version=version)
 
     def __getattr__(self, name: str) -> Any:  # capacity, name, ...

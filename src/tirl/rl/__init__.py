@@ -4,6 +4,8 @@ roc.py          Resample-on-Correct: down-sample 2G rollouts to G (resample_on_c
 grpo.py         the paper's GRPO in its public names (group_advantages, policy_loss)
 advantages.py   advantage estimators by name (grpo, dr_grpo)
 losses.py       the objective: policy losses by name (grpo, gspo), aggregations, dual clip, KL, entropy
+importance.py   truncated importance sampling against the engine's sampling log-probs (tis_cap)
+async_rollout.py the step's groups, streamed (score / RoC on completion), generated ahead under a staleness bound
 policy.py       the trainable model: micro-batched log-probs, AdamW, LR schedule, checkpoints
 trainer.py      `tirl train`: run_training(cfg, resume=False, progress=True) -> run dir; rl_step
 sft.py          `tirl sft`: run_sft(cfg, resume=False, progress=True) -> run dir

@@ -80,6 +80,12 @@ class StepGroups:
 
 
 class GroupProducer:
+    """One stage's stream of scored, RoC-selected groups (see the module docstring); rank 0 only.
+
+    The trainer calls `take(version)` for each step's groups and `synced(version)` once the step's
+    weights are in the engines; `state_dict()` goes into the checkpoint and back in as `state`.
+    """
+
     def __init__(
         self,
         runtime: Runtime,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tirl.config import ConfigError
-from tirl.engines.versions import WeightVersions
+from tirl.engines.versions import EngineActivity, WeightVersions
 from tirl.eval.commands import check_context
 from tirl.rl import trajectory_sample
 from tirl.rl.advantages import resolve_advantage
@@ -266,7 +266,7 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
     """
     cfg, alg, info, step = run.cfg, run.cfg.algorithm, run.info, run.state.step
     timer = Timer()
-    start, busy_before = time.perf_counter(), run.versions.busy_seconds() if run.versions else 0.0
+    start, engines_before = time.perf_counter(), run.versions.snapshot() if run.versions else None
     metrics: dict = {"stage": run.state.stage}
     samples: list[TrainSample] | None = None
     if info.is_main:
@@ -292,8 +292,6 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
                 step + 1, run.state.stage, batch.problems, groups, kept, cfg.logging.trajectories_per_step,
                 cfg.seed, alg.advantage, alg.no_tool_p_err,
             ))  # fmt: skip
-        generated = sum(sum(t.loss_mask) for g in groups for t in g)
-        metrics["perf/rollout_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
     # 6. update: every rank trains on its share of the kept samples
     samples = broadcast_object(samples, info)
     # engines sharing the trainer's devices free their memory for training; async ones keep generating
@@ -314,17 +312,20 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
             async with run.versions.syncing(step + 1):
                 metrics |= await run.blocking(run.learner.sync_weights, run.runtime)
             producer.synced(step + 1)
-    metrics |= _idle_metrics(run, timer, time.perf_counter() - start, busy_before)
+    metrics |= _overlap_metrics(run, timer, time.perf_counter() - start, engines_before)
     return metrics | timer.metrics()
 
 
-def _idle_metrics(run: Run, timer: Timer, wall_s: float, busy_before: float) -> dict:
-    """Shares of the step's wall time the trainer waited for groups, and no engine generated a turn."""
-    if run.versions is None:
+def _overlap_metrics(run: Run, timer: Timer, wall_s: float, before: EngineActivity | None) -> dict:
+    """Shares of the step's wall time the trainer waited for groups and no engine generated a turn, and
+    the engines' tokens per second while generating (a rollout may span steps in async mode)."""
+    if run.versions is None or before is None:
         return {}
-    busy = run.versions.busy_seconds() - busy_before
+    now = run.versions.snapshot()
+    busy, tokens = now.busy_s - before.busy_s, now.tokens - before.tokens
     wall = max(wall_s, 1e-9)
     return {
+        "perf/rollout_tokens_per_s": tokens / max(busy, 1e-9),
         "perf/trainer_idle_frac": timer.seconds["rollout"] / wall,
         "perf/engine_idle_frac": max(0.0, 1.0 - busy / wall),
     }
