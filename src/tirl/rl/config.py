@@ -157,11 +157,11 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _async_engines_stay_awake(self) -> TrainConfig:
-        if self.algorithm.async_ and self.engine.enable_sleep_mode:
+        if self.algorithm.async_ and (self.engine.enable_sleep_mode or self.cluster.colocate):
             raise ValueError(
                 "algorithm.async keeps the engines generating while the trainer updates, so they cannot "
-                "sleep: set engine.enable_sleep_mode=false and give engines and trainer their own GPUs "
-                "(cluster.backend=ray)"
+                "sleep nor share the trainer's GPUs: set engine.enable_sleep_mode=false and "
+                "cluster.colocate=false (engines and trainer ranks on their own GPUs)"
             )
         return self
 
