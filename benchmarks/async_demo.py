@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/async_demo")
     ap.add_argument("--k", type=int, default=1, help="algorithm.max_staleness of the async run")
     ap.add_argument("--only", choices=["sync", "async"], help="run one side only")
+    ap.add_argument("--tis-cap", type=float, help="algorithm.tis_cap of both runs (default: off)")
     ap.add_argument("overrides", nargs="*", help="demo settings, e.g. demo.rl_steps=10")
     args = ap.parse_args()
     demo, out = Path(args.demo), Path(args.out)
@@ -61,7 +62,9 @@ def main() -> None:
         raise SystemExit(f"{demo} is not a finished `tirl demo` directory (no sft/ or data/heldout.jsonl)")
     settings = load_settings(overrides=args.overrides)
     sides = [("sync", None), (f"async_k{args.k}", args.k)]
-    results = [run(settings, demo, out, n, k) for n, k in sides if args.only in (None, n.split("_")[0])]
+    results = [
+        run(settings, demo, out, n, k, args.tis_cap) for n, k in sides if args.only in (None, n.split("_")[0])
+    ]
     (out / "async_demo.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"{'run':<10} {'RL wall s':>10} {'step s':>8} {'trainer idle':>13} {'engine idle':>12} "
           f"{'dropped':>8} {'reward (last 5)':>16} {'held-out acc':>13}")  # fmt: skip

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import pytest_asyncio
+from pydantic import ValidationError
 from tests.rl.held_tool import Hold
 
 from tirl.agent.config import AgentConfig
@@ -20,7 +21,7 @@ from tirl.engines.config import EngineConfig
 from tirl.engines.versions import VersionedPool, WeightVersions
 from tirl.reward import RewardConfig
 from tirl.rl.async_rollout import GroupProducer
-from tirl.rl.config import AlgorithmConfig
+from tirl.rl.config import AlgorithmConfig, TrainConfig
 from tirl.rl.sampler import EpochSampler
 from tirl.rl.trainer import roc_select
 from tirl.runtime import generate, open_runtime, score
@@ -220,3 +221,14 @@ async def test_a_stale_group_is_dropped_and_its_prompt_trained_later(runtime):
     retried = [i for i, m in enumerate(metrics) if m["async/retries_trained"]]
     assert len(retried) == 1 and trained[retried[0]] == first.id  # the re-queued prompt was trained
     assert all(sum(v for k, v in m.items() if k.startswith("async/staleness/")) == 1 for m in metrics)
+
+
+def test_async_config_is_checked():
+    assert AlgorithmConfig().staleness_bound == 0  # synchronous by default (the paper)
+    assert AlgorithmConfig(max_staleness=3).staleness_bound == 0  # the bound only applies to async
+    assert AlgorithmConfig(**{"async": True, "max_staleness": 3}).staleness_bound == 3
+    with pytest.raises(ValidationError):
+        AlgorithmConfig(max_staleness=-1)
+    stages = [{"steps": 1, "data": "x"}]
+    with pytest.raises(ValidationError, match="cannot sleep"):
+        TrainConfig(model="m", stages=stages, algorithm={"async": True}, engine={"enable_sleep_mode": True})

@@ -21,7 +21,22 @@ K1 = ["algorithm.async=true", "algorithm.max_staleness=1"]
 
 
 def _rows(run_dir) -> list[dict]:
-    return _comparable(read_metrics(run_dir))  # all but timings and throughput
+    """All metrics but timings and throughput, and whether engines were asked to sleep (synchronous
+    colocated engines are, async ones never)."""
+    return [
+        {k: v for k, v in r.items() if not k.startswith("colocate/")}
+        for r in _comparable(read_metrics(run_dir))
+    ]
+
+
+def _assert_same(rows: list[dict], want: list[dict]) -> None:
+    """The same batches, rewards, RoC, losses and diagnostics, exactly. The engine's own log-probs depend
+    in their last bits on how its continuous batching happened to group requests (timing, in any two
+    runs): they enter the loss only with TIS (off here), and their gap to the trainer's is ~1e-7."""
+    gap = "train/engine_logprob_gap"
+    for got, ref in zip(rows, want, strict=True):
+        assert got.pop(gap) == pytest.approx(ref.pop(gap), abs=1e-6)
+    assert rows == want
 
 
 def _weights(run_dir) -> dict[str, torch.Tensor]:
@@ -47,9 +62,9 @@ def k0_run(config):
 @pytest.mark.timeout(900)
 def test_async_with_max_staleness_0_is_the_synchronous_step_bit_for_bit(config, k0_run):
     sync = _train(config, "sync", [])
-    rows, want = _rows(k0_run), _rows(sync)
+    rows = _rows(k0_run)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows == want  # the same batches, rewards, RoC, losses, diagnostics: exactly
+    _assert_same(rows, _rows(sync))
     assert all(r["async/staleness/0"] == 2 and r["async/dropped_stale"] == 0 for r in rows)
     got, ref = _weights(k0_run), _weights(sync)
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
@@ -63,7 +78,7 @@ def test_a_killed_async_run_resumes_exactly_with_k0(config, k0_run):
     uninterrupted run did."""
     _train_until_killed(config, "update:2", resume=False, overrides=K0)
     resumed = _train(config, "killed", K0, resume=True)
-    assert _rows(resumed) == _rows(k0_run)
+    _assert_same(_rows(resumed), _rows(k0_run))
     got, ref = _weights(resumed), _weights(k0_run)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
 
