@@ -412,15 +412,16 @@ async def test_each_turn_asks_the_engine_for_the_configured_sampling(engine, tok
     assert [(p.max_tokens, p.seed) for _, p in recorder.requests] == [(budget, None), (20, None)]
 
 
-async def test_a_tokenizer_without_the_chat_markup_neither_closes_nor_stops_on_unknown():
-    """A base model's tokenizer maps <|im_end|> and <|endoftext|> to its unknown token: the loop must not
-    take that id for the end of a turn, nor stop generating at it; its eos still stops."""
+@pytest.mark.parametrize("has_endoftext", [False, True])
+async def test_a_tokenizer_without_the_chat_markup_neither_closes_nor_stops_on_unknown(has_endoftext):
+    """A base model's tokenizer maps <|im_end|> (and maybe <|endoftext|>) to its unknown token: the loop
+    must not take that id for the end of a turn, nor stop generating at it; its eos still stops."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     from tirl.agent.loop import _Special
 
-    vocab = {"[UNK]": 0, "</s>": 1, "a": 2}
+    vocab = {"[UNK]": 0, "</s>": 1, "a": 2} | ({"<|endoftext|>": 3} if has_endoftext else {})
     base = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
         unk_token="[UNK]",
@@ -428,4 +429,4 @@ async def test_a_tokenizer_without_the_chat_markup_neither_closes_nor_stops_on_u
     )
     assert base.convert_tokens_to_ids("<|im_end|>") == 0  # the unknown token
     special = _Special(base)
-    assert (special.im_end, special.stop_ids) == (None, [1])
+    assert (special.im_end, special.stop_ids) == (None, [1, 3] if has_endoftext else [1])
