@@ -110,6 +110,12 @@ async def test_response_budget_counts_generated_and_tool_tokens(pool, tokenizer,
         pool, tokenizer, sandbox, "loop", CFG.model_copy(update={"max_response_tokens": first_turn - 5})
     )
     assert traj.finish_reason == "length" and len(traj.response_ids) == first_turn - 5 and not traj.tool_calls
+    traj, _ = await play(pool, tokenizer, sandbox, "loop", CFG.model_copy(update={"max_response_tokens": 1}))
+    assert (traj.finish_reason, traj.turns, traj.response_ids) == (
+        "length",
+        1,
+        recordings["loop"].response_ids[:1],
+    )
 
 
 async def test_a_slow_tool_call_does_not_block_other_trajectories(pool, tokenizer, sandbox, taught):

@@ -93,10 +93,8 @@ async def _turns(
     special, seed, emit,
 ) -> None:  # fmt: skip
     for turn in range(cfg.max_turns):
+        # >= 1: a turn that fills the budget, or a tool response that would, ends the trajectory below
         left = cfg.max_response_tokens - len(traj.response_ids)
-        if left <= 0:
-            traj.finish_reason = "length"
-            return
         gen = await _generate(
             engine, traj, cfg, special, left, None if seed is None else derive_seed(seed, turn)
         )
