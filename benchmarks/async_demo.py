@@ -23,11 +23,12 @@ from tirl.rl.checkpoint import latest_model_dir
 from tirl.rl.trainer import run_training
 
 
-def run(settings, demo: Path, out: Path, name: str, staleness: int | None) -> dict:
+def run(settings, demo: Path, out: Path, name: str, staleness: int | None, tis_cap: float | None) -> dict:
     """One RL run (async with `staleness` k, or synchronous for None) and its held-out evaluation."""
     cfg = train_config(
         settings, latest_model_dir(demo / "sft"), str(demo / "data" / "rl_train.jsonl"), out, name
     )
+    cfg.algorithm = cfg.algorithm.model_copy(update={"tis_cap": tis_cap})
     if staleness is not None:
         cfg.algorithm = cfg.algorithm.model_copy(update={"async_": True, "max_staleness": staleness})
     start = time.perf_counter()
