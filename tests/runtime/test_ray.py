@@ -221,6 +221,27 @@ def test_clear_errors_for_unreachable_address_and_missing_resources(cluster, tin
         asyncio.run(open_with(_cluster_cfg(cluster, sandbox={"resource": "sandbox_node"})))
 
 
+def test_actors_left_without_cpus_fail_with_what_to_change(cluster, tiny_model_dir, monkeypatch):
+    """Engine bundles that leave a node fewer free CPUs than its sandbox service (or the reward actor)
+    asks for would leave that actor pending forever: one clear error instead, naming the setting."""
+    monkeypatch.setattr("tirl.runtime.ray_cluster.READY_TIMEOUT_S", 20.0)
+
+    async def open_with(cc: ClusterConfig, sandbox: SandboxConfig, reward: RewardConfig | None):
+        await _cluster_idle()
+        async with open_runtime(cc, _engine_cfg(tiny_model_dir), sandbox, reward):
+            pass
+
+    # Each node: 4 CPUs, 2 held by its engine's bundle, 3 asked for its sandbox service.
+    cc = _cluster_cfg(cluster, engines={"num_cpus": 2}, sandbox={"num_cpus": 3})
+    with pytest.raises(
+        ClusterError, match=r"actor\(s\) of cluster\.sandbox\.num_cpus=3 CPUs were not scheduled"
+    ):
+        asyncio.run(open_with(cc, SandboxConfig(mode="local", slots=1), None))
+    cc = _cluster_cfg(cluster, engines={"num_cpus": 2}, sandbox={"per_node": False}, reward_num_cpus=3)
+    with pytest.raises(ClusterError, match=r"1 actor\(s\) of cluster\.reward_num_cpus=3 CPUs"):
+        asyncio.run(open_with(cc, SandboxConfig(mode="inprocess"), RewardConfig(workers=1)))
+
+
 def test_unreachable_address_is_one_clear_error():
     """Checked before joining (no hang): runs in its own process, outside the test cluster."""
     import subprocess

@@ -45,6 +45,7 @@ from tirl.runtime.ray_cluster import (
     ClusterError,
     Placement,
     Slot,
+    await_scheduled,
     connect,
     node_ip,
     open_placement,
@@ -304,6 +305,7 @@ async def _sandbox_fleet(
         ).remote(cfg, token)
         for node in nodes
     ]
+    await await_scheduled(ray, actors, "sandbox.num_cpus", cluster.sandbox.num_cpus)
     states = await asyncio.gather(*(a.ensure.remote() for a in actors))
     counters.setdefault("sandbox_restarts", 0)
     counters.setdefault("sandbox_nodes_lost", 0)
@@ -429,8 +431,9 @@ async def open_ray_runtime(
             scorer = None
             if reward is not None:
                 actor = ray.remote(RewardWorker).options(num_cpus=cluster.reward_num_cpus).remote()
-                await actor.start.remote(reward)
                 stack.callback(ray.kill, actor)
+                await await_scheduled(ray, [actor], "reward_num_cpus", cluster.reward_num_cpus)
+                await actor.start.remote(reward)
                 scorer = RemoteScorer(actor)
             engines = list(fleet.engines)
             yield Runtime(engines, build_pool(engines, engine), executor, scorer, tokenizer, "ray", counters)

@@ -77,6 +77,26 @@ def check_resources(ray, what: str, bundle: dict[str, float], count: int) -> Non
             )
 
 
+async def await_scheduled(ray, actors: list[Any], key: str, num_cpus: float) -> None:
+    """Fail fast, with what to change, when actors that ask for `num_cpus` outside the placement groups
+    are not running within READY_TIMEOUT_S: Ray would keep them pending forever, e.g. when the
+    colocated bundles took every CPU of the node (each rank's bundle holds engines + trainer CPUs)."""
+    import asyncio
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in actors)), READY_TIMEOUT_S)
+    except TimeoutError:
+        for actor in actors:
+            ray.kill(actor)
+        free = ray.available_resources().get("CPU", 0.0)
+        raise ClusterError(
+            f"{len(actors)} actor(s) of cluster.{key}={num_cpus:g} CPUs were not scheduled within "
+            f"{READY_TIMEOUT_S:g} s ({free:g} CPUs free beside the engine and trainer bundles): leave "
+            f"them room (lower cluster.engines.num_cpus / cluster.trainer.num_cpus, or add CPUs) or "
+            f"lower cluster.{key}"
+        ) from None
+
+
 # ---- placement ---------------------------------------------------------------------------------------
 
 
