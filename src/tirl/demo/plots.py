@@ -137,7 +137,7 @@ def plot_comparison(summary: dict, out_dir: str | Path) -> list[Path]:
     key = "tools/error_ratio_in_correct"
     fig, ax = plt.subplots(figsize=(6, 3.8))
     _bands(ax, summary["curves"][key], CURVES[key][1])
-    ax.set(title=f"{CURVES[key][0]}, mean and 95% interval over {n} seeds", ylabel="errored calls (%)")
+    ax.set(title=f"{CURVES[key][0]}\nmean and 95% interval over {n} seeds", ylabel="errored calls (%)")
     fig.tight_layout()
     fig.savefig(out / "figure4.png", dpi=110)
     plt.close(fig)
