@@ -301,9 +301,10 @@ def _kill_engine0_and_a_sandbox_when_busy(done: list, stop: threading.Event) -> 
             with contextlib.suppress(Exception):
                 actor = ray.get_actor(engine, namespace="tirl-test")
                 cap = ray.get(actor.describe.remote(), timeout=30)["capacity"]
-                services = [  # started by this cluster's SandboxNode actors, nobody else's
-                    child for p in psutil.process_iter(["cmdline"])
-                    if " ".join(p.info["cmdline"] or []).startswith("ray::SandboxNode")
+                services = [  # started by this cluster's SandboxNode actors (its raylets are this
+                    # process's children), not by another test run's on the same machine
+                    child for p in psutil.Process().children(recursive=True)
+                    if " ".join(p.cmdline()).startswith("ray::SandboxNode")
                     for child in p.children() if "serve" in child.cmdline()
                 ]  # fmt: skip
                 if services and cap.free_tokens < cap.total_tokens:
@@ -428,9 +429,10 @@ def _new_processes(roots: list[int], known: set[int]) -> list:
 
 
 def _raylets() -> list[int]:
+    """This cluster's raylets (children of this process), not another test run's on the same machine."""
     import psutil
 
-    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"]
+    return [p.pid for p in psutil.Process().children() if p.name() == "raylet"]
 
 
 @pytest.mark.timeout(1200)  # three train runs on the cluster (one killed), slow on a loaded machine
