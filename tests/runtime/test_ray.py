@@ -206,6 +206,46 @@ def test_engine_and_sandbox_killed_mid_rollout_lose_nothing(cluster, tiny_model_
     assert restarted == ["hf0", "hf1"]  # Ray restarted the killed actor: it rejoins at the next sync
 
 
+def test_a_failed_sandbox_restart_is_retried_not_fatal(cluster, tiny_model_dir):
+    """A service killed, then its restart failing (here: its port taken while it starts), is tried
+    again at the next health check instead of ending the run; it comes back once the port is free."""
+    import socket
+
+    import psutil
+
+    cc = _cluster_cfg(cluster, sandbox={"health_interval_s": 2.0})  # the port is taken well within it
+
+    async def main():
+        await _cluster_idle()
+        async with open_runtime(
+            cc, _engine_cfg(tiny_model_dir), SandboxConfig(mode="local", slots=1), None
+        ) as rt:
+            url = rt.executor.endpoints[0]
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            blocker = socket.socket()
+            blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            psutil.Process(_sandbox_pids([url])[0]).kill()
+            while True:  # free once the service and the processes it forked are gone (milliseconds)
+                try:
+                    blocker.bind((host, int(port)))  # the restarted service cannot listen: its start fails
+                    break
+                except OSError:
+                    await asyncio.sleep(0.005)
+            blocker.listen()
+
+            async def counted(key: str) -> None:  # the health loop's own counters: no event to wait on
+                while rt.counters[key] < 1:
+                    await asyncio.sleep(0.1)
+
+            await asyncio.wait_for(counted("sandbox_restart_failures"), 120)
+            blocker.close()
+            await asyncio.wait_for(counted("sandbox_restarts"), 120)
+            assert _sandbox_pids([url])  # serving again on its port
+            assert (await rt.executor.run("print(6 * 7)")).stdout == "42\n"
+
+    asyncio.run(main())
+
+
 def test_clear_errors_for_unreachable_address_and_missing_resources(cluster, tiny_model_dir):
     async def open_with(cc: ClusterConfig):
         async with open_runtime(cc, _engine_cfg(tiny_model_dir), SandboxConfig(mode="inprocess"), None):

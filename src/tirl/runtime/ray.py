@@ -309,6 +309,7 @@ async def _sandbox_fleet(
     states = await asyncio.gather(*(a.ensure.remote() for a in actors))
     counters.setdefault("sandbox_restarts", 0)
     counters.setdefault("sandbox_nodes_lost", 0)
+    counters.setdefault("sandbox_restart_failures", 0)
     lost: set[int] = set()
 
     async def watch() -> None:
@@ -323,6 +324,9 @@ async def _sandbox_fleet(
                     lost.add(i)
                     counters["sandbox_nodes_lost"] += 1
                     continue
+                except ray.exceptions.RayTaskError:  # a restart failed (e.g. killed while starting):
+                    counters["sandbox_restart_failures"] += 1  # try again next round; the client
+                    continue  # meanwhile sends calls to the other nodes' services
                 counters["sandbox_restarts"] += state["restarts"] - states[i]["restarts"]
                 states[i] = state
 
