@@ -329,10 +329,22 @@ def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_d
     assert sum(leases) == len(PROBLEMS) * 4 and min(leases) > 0
 
 
+def _our_sandbox_services() -> list:
+    """The `tirl sandbox serve` processes of this cluster's SandboxNode actors (its raylets are this
+    process's children), not another test run's on the same machine."""
+    import psutil
+
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # a process that exited (or a zombie) meanwhile
+            if " ".join(p.cmdline()).startswith("ray::SandboxNode"):
+                found += [child for child in p.children() if "serve" in child.cmdline()]
+    return found
+
+
 def _kill_engine0_and_a_sandbox_when_busy(done: list, stop: threading.Event) -> None:
     """From another thread: once engine actor 0 has requests in flight (its free KV is below its
     total), kill it and one of the sandbox services this cluster started."""
-    import psutil
 
     while not stop.is_set():  # set when the run ended (or failed): never kill a later test's engines
         names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)]
@@ -341,12 +353,7 @@ def _kill_engine0_and_a_sandbox_when_busy(done: list, stop: threading.Event) -> 
             with contextlib.suppress(Exception):
                 actor = ray.get_actor(engine, namespace="tirl-test")
                 cap = ray.get(actor.describe.remote(), timeout=30)["capacity"]
-                services = [  # started by this cluster's SandboxNode actors (its raylets are this
-                    # process's children), not by another test run's on the same machine
-                    child for p in psutil.Process().children(recursive=True)
-                    if " ".join(p.cmdline()).startswith("ray::SandboxNode")
-                    for child in p.children() if "serve" in child.cmdline()
-                ]  # fmt: skip
+                services = _our_sandbox_services()
                 if services and cap.free_tokens < cap.total_tokens:
                     ray.kill(actor, no_restart=False)
                     services[-1].kill()
@@ -472,7 +479,12 @@ def _raylets() -> list[int]:
     """This cluster's raylets (children of this process), not another test run's on the same machine."""
     import psutil
 
-    return [p.pid for p in psutil.Process().children() if p.name() == "raylet"]
+    found = []
+    for p in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if p.name() == "raylet":
+                found.append(p.pid)
+    return found
 
 
 @pytest.mark.timeout(1200)  # three train runs on the cluster (one killed), slow on a loaded machine
