@@ -14,6 +14,7 @@ goes over gloo then, since NCCL refuses two members of one group on one GPU (tir
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,8 +82,6 @@ async def await_scheduled(ray, actors: list[Any], key: str, num_cpus: float) -> 
     """Fail fast, with what to change, when actors that ask for `num_cpus` outside the placement groups
     are not running within READY_TIMEOUT_S: Ray would keep them pending forever, e.g. when the
     colocated bundles took every CPU of the node (each rank's bundle holds engines + trainer CPUs)."""
-    import asyncio
-
     try:
         await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in actors)), READY_TIMEOUT_S)
     except TimeoutError:
