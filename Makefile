@@ -54,8 +54,9 @@ MUTATE ?= tirl.rl.roc tirl.rl.grpo tirl.rl.trainer.x_build_samples tirl.rl.train
 	tirl.reward.extract tirl.engines.scheduler tirl.agent.loop
 mutate: install
 	$(PY) -m pip install -q "mutmut==3.8.1"
-	@# TIRL_TEST_CACHE: each mutant's fresh pytest session reuses the tiny model and the taught one
-	for m in $(MUTATE); do TIRL_TEST_CACHE=$(CURDIR)/mutants/.test-cache nice -n 10 \
+	@# TIRL_TEST_CACHE: each mutant's fresh pytest session reuses the tiny model and the taught one;
+	@# TIRL_TEST_HANG_S: a mutant that hangs the agent loop fails its hang guard in a minute
+	for m in $(MUTATE); do TIRL_TEST_CACHE=$(CURDIR)/mutants/.test-cache TIRL_TEST_HANG_S=60 nice -n 10 \
 		$(VENV)/bin/mutmut run "$$m*" > /dev/null || exit 1; done
 	@# killed share per module, over the mutants that ran (a timeout counts as killed)
 	$(VENV)/bin/mutmut results --all true | grep -v "not checked" | awk -F': ' \

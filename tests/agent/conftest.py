@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,9 @@ CFG_TWO_TOOLS = CFG.model_copy(
     }
 )
 SLOW_S = 3.0  # the "mul" tool call sleeps this long
+# A hang guard: only a hung loop reaches it. `make mutate` lowers it, so that a mutant that hangs is
+# killed in a minute instead of five (the cached taught model answers in seconds).
+HANG_S = float(os.environ.get("TIRL_TEST_HANG_S", "300"))
 ANSWER = "</reason><answer>\\boxed{42}</answer><|im_end|>"
 
 SCRIPTS = {

@@ -44,3 +44,10 @@ class BadSchema(Lookup):
 
 class Unnamed(Lookup):
     name = ""
+
+
+class FailsToClose(Lookup):
+    """A lookup whose clean-up fails (the loop must log it and keep the trajectory)."""
+
+    async def close(self) -> None:
+        raise RuntimeError("lookup table is gone")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 
 import pytest
 import torch
-from tests.agent.conftest import CFG, SCRIPTS, SLOW_S
+from tests.agent.conftest import ANSWER, CFG, HANG_S, SCRIPTS, SLOW_S
 
 from tirl.agent import build_prompt_ids, derive_seed, render_tool_response, rollout, run_trajectory
+from tirl.agent.loop import call_source
+from tirl.agent.protocol import ToolCall
 from tirl.data.problem import Problem
 from tirl.engines import EngineConfig, SingleEnginePool
 from tirl.engines.base import Generation
@@ -48,7 +52,7 @@ async def play(pool, tokenizer, sandbox, name, cfg=CFG):
 async def test_tool_call_then_answer_in_token_space(pool, tokenizer, sandbox, taught):
     _, recordings = taught
     traj, events = await play(pool, tokenizer, sandbox, "mul")
-    assert (traj.finish_reason, traj.turns, traj.error) == ("answered", 2, "")
+    assert (traj.finish_reason, traj.turns, traj.error, traj.sample_index) == ("answered", 2, "", 0)
     assert [c.status for c in traj.tool_calls] == ["ok"] and traj.answer_blocks == 1
     rec = recordings["mul"]
     # the generated tokens are exactly what the engine produced (the scripted turns), never re-tokenized
@@ -60,7 +64,7 @@ async def test_tool_call_then_answer_in_token_space(pool, tokenizer, sandbox, ta
     assert len(traj.logprobs) == len(traj.response_ids) == len(traj.loss_mask)
     assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True) if m == 0)
     assert all(lp <= 0.0 for lp in traj.logprobs) and sum(traj.logprobs) < 0
-    assert "\\boxed{42}</answer>" in traj.response_text
+    assert traj.response_text.endswith(ANSWER)  # special tokens kept: the text is the token stream
     assert traj.tool_wait_seconds >= SLOW_S and traj.gen_seconds > 0 and traj.engine == "hf0"
     # what a display sees: each turn's text, the call as run, its result, how the trajectory ended
     code, tool = f"import time\ntime.sleep({SLOW_S})\nprint(6*7)", "execute_python_code_with_standard_io"
@@ -83,6 +87,7 @@ async def test_malformed_call_is_fed_back_and_fixed(pool, tokenizer, sandbox, ta
     assert traj.num_tool_errors == 1
     texts = [p["text"] for k, p in events if k == "tool_result"]
     assert texts[0] == "Error: argument 'code' must be a JSON string, got a JSON number"
+    assert ("tool_result", {"turn": 0, "status": "malformed", "text": texts[0]}) in events
     assert texts[1].startswith("42\n")  # 2 * int("21"): stdin reached the program
     malformed, fixed = traj.tool_calls
     assert (malformed.turn, malformed.tool) == (0, "") and '"code": 1' in malformed.code  # the raw call
@@ -141,7 +146,7 @@ async def test_a_slow_tool_call_does_not_block_other_trajectories(pool, tokenize
             pool, tokenizer, HeldUntilFixIsDone(), SCRIPTS[name].problem, CFG, group=name, on_event=on_event
         )
 
-    slow, fast = await asyncio.wait_for(asyncio.gather(logged("mul"), logged("fix")), 300)
+    slow, fast = await asyncio.wait_for(asyncio.gather(logged("mul"), logged("fix")), HANG_S)
     assert slow.finish_reason == fast.finish_reason == "answered"
     assert log.index(("mul", "tool_call")) < log.index(("fix", "finish")) < log.index(("mul", "tool_result"))
 
@@ -167,7 +172,7 @@ async def test_engine_failure_ends_with_error_not_a_wrong_answer(taught, tiny_mo
             on_event=lambda k, p: asyncio.ensure_future(close_during_tool_call(k, p)),
         )
     )
-    traj = await asyncio.wait_for(task, 300)  # a hang guard
+    traj = await asyncio.wait_for(task, HANG_S)
     assert traj.finish_reason == "error" and "closed" in traj.error and traj.turns == 1
 
 
@@ -185,17 +190,32 @@ async def test_rollout_groups_seeds_and_reproducibility(random_engine, tokenizer
     problems = [Problem("p0", "1+1?", "2"), Problem("p1", "2+2?", "4")]
     done = []
     a = await rollout(pool, tokenizer, sandbox, problems, 3, cfg, seed=0, on_done=done.append)
-    b = await rollout(pool, tokenizer, sandbox, problems, 3, cfg, seed=0)
+    b = await rollout(pool, tokenizer, sandbox, problems, 3, cfg)  # the default seed is 0
     c = await rollout(pool, tokenizer, sandbox, problems, 3, cfg, seed=1)
     assert [[t.problem_id for t in g] for g in a] == [["p0"] * 3, ["p1"] * 3]
     assert [[t.sample_index for t in g] for g in a] == [[0, 1, 2]] * 2
-    assert len(done) == 6
+    assert sorted(map(id, done)) == sorted(id(t) for g in a for t in g)  # each trajectory, once
     ids = lambda r: [[t.response_ids for t in g] for g in r]  # noqa: E731
     assert ids(a) == ids(b) and ids(a) != ids(c)
     assert len({tuple(t.response_ids) for t in a[0]}) == 3  # samples of one group differ
+    # sample j of problem i is the trajectory seeded by (seed, i, j), whatever else runs beside it
+    alone = await run_trajectory(
+        pool, tokenizer, sandbox, problems[1], cfg, group="p1", sample_index=2, seed=derive_seed(0, 1, 2)
+    )
+    assert alone.response_ids == a[1][2].response_ids != a[0][2].response_ids
+    assert ids(await rollout(pool, tokenizer, sandbox, problems, 1, cfg)) == [
+        [a[0][0].response_ids],
+        [a[1][0].response_ids],
+    ]
     assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(0, 2, 1)
     with pytest.raises(ValueError, match="n >= 1"):
         await rollout(pool, tokenizer, sandbox, problems, 0, cfg)
+
+
+async def test_rollout_runs_the_tools_on_its_executor(pool, tokenizer, sandbox, taught):
+    """One sample per problem (n = 1) and the tool calls run on the executor the rollout was given."""
+    [[traj]] = await rollout(pool, tokenizer, sandbox, [SCRIPTS["fix"].problem], 1, CFG)
+    assert traj.finish_reason == "answered" and [c.status for c in traj.tool_calls] == ["malformed", "ok"]
 
 
 def _forward_logprobs(model, ids: list[int]) -> list[float]:
@@ -281,13 +301,15 @@ async def test_max_turn_tokens_caps_one_turn(pool, tokenizer, sandbox, taught):
     assert traj.finish_reason == "answered" and traj.response_ids == recordings["fix"].response_ids
 
 
-class _HungEngine:
-    """An engine that accepts a request and never answers (a stuck server)."""
-
-    name = "hung"
+class _SilentEngine:
+    """An engine that accepts a request and never answers (a stuck server), and has no name."""
 
     async def generate(self, prompt_ids, params):
         await asyncio.Event().wait()
+
+
+class _HungEngine(_SilentEngine):
+    name = "hung"
 
 
 class _AbortingEngine:
@@ -311,7 +333,7 @@ class _HungExecutor:
 async def _guarded(trajectory):
     """A hang guard, not a timing assertion: a loop that ignores its own timeout fails here, not hangs."""
     try:
-        return await asyncio.wait_for(trajectory, 300)
+        return await asyncio.wait_for(trajectory, HANG_S)
     except TimeoutError:
         pytest.fail("the trajectory hung: the loop did not apply its timeout")
 
@@ -436,3 +458,76 @@ async def test_a_tokenizer_without_the_chat_markup_neither_closes_nor_stops_on_u
     assert base.convert_tokens_to_ids("<|im_end|>") == 0  # the unknown token
     special = _Special(base)
     assert (special.im_end, special.stop_ids) == (None, [1, 3] if has_endoftext else [1])
+
+
+async def test_failed_trajectories_are_logged_and_counted_not_scored(tokenizer, sandbox, caplog):
+    """What a run's log says when trajectories fail: each one by problem and sample with its error's
+    type, then the rollout's count. An engine without a name is named by its class."""
+    cfg = CFG.model_copy(update={"generation_timeout": 0.05})
+    problems = [SCRIPTS["mul"].problem]
+    with caplog.at_level(logging.WARNING, logger="tirl.agent.loop"):
+        [group] = await _guarded(
+            rollout(SingleEnginePool(_HungEngine()), tokenizer, sandbox, problems, 2, cfg)
+        )
+    error = "TimeoutError: engine hung produced no turn within 0.05 s"
+    assert [(t.finish_reason, t.error, t.engine) for t in group] == [("error", error, "hung")] * 2
+    assert sorted(r.getMessage() for r in caplog.records if r.name == "tirl.agent.loop") == [
+        "rollout: 2 of 2 trajectories ended with error (not scored)",
+        f"trajectory mul/0 ended with error: {error}",
+        f"trajectory mul/1 ended with error: {error}",
+    ]
+    traj = await _guarded(
+        run_trajectory(SingleEnginePool(_SilentEngine()), tokenizer, sandbox, problems[0], cfg, group="g")
+    )
+    assert traj.engine == "_SilentEngine" and "engine _SilentEngine produced no turn" in traj.error
+
+
+async def test_a_tool_that_fails_to_close_loses_nothing(random_engine, tokenizer, sandbox, caplog):
+    """Closing the trajectory's tools runs after it ends; a tool whose close() raises is logged with the
+    trajectory it belonged to, and the trajectory comes back as it ended."""
+    cfg = CFG.model_copy(
+        update={
+            "tools": ["execute_python_code_with_standard_io", "tests.agent.lookup_tool:FailsToClose"],
+            "max_response_tokens": 8,
+        }
+    )
+    with caplog.at_level(logging.ERROR, logger="tirl.agent.loop"):
+        traj = await run_trajectory(
+            SingleEnginePool(random_engine), tokenizer, sandbox, Problem("p", "1+1?", "2"), cfg,
+            group="p", sample_index=4,
+        )  # fmt: skip
+    assert (traj.finish_reason, traj.error, len(traj.response_ids)) == ("length", "", 8)
+    [record] = [r for r in caplog.records if r.name == "tirl.agent.loop"]
+    assert record.getMessage() == "closing the tools of trajectory p/4 failed"
+    assert repr(record.exc_info[1]) == "RuntimeError('lookup table is gone')"
+
+
+async def test_time_spent_adds_up_within_the_trajectory(pool, tokenizer, sandbox, taught):
+    """tool_wait_seconds sums every call's wait (each call's own span lies inside it); with the
+    generation time it fits in the trajectory's wall time (one call per turn here: a turn's calls would
+    overlap)."""
+    spans: list[float] = []
+
+    class Timed:
+        async def run(self, code, stdin="", timeout=None):
+            start = time.perf_counter()
+            try:
+                return await sandbox.run(code, stdin, timeout)
+            finally:
+                spans.append(time.perf_counter() - start)
+
+    cfg = CFG.model_copy(update={"max_turns": 3})
+    start = time.perf_counter()
+    traj = await run_trajectory(pool, tokenizer, Timed(), SCRIPTS["loop"].problem, cfg, group="loop")
+    wall = time.perf_counter() - start
+    assert traj.num_tool_calls == len(spans) == 2
+    assert sum(spans) <= traj.tool_wait_seconds and traj.gen_seconds > 0
+    assert traj.tool_wait_seconds + traj.gen_seconds <= wall
+
+
+async def test_call_source_is_the_code_else_the_arguments_as_json():
+    """What records and displays show for a call: its `code` string as written, else its arguments
+    as JSON, non-ASCII kept as is."""
+    assert call_source(ToolCall("py", {"code": "print('π')", "input": "1"}, 0, 1)) == "print('π')"
+    assert call_source(ToolCall("lookup", {"key": "π"}, 0, 1)) == '{"key": "π"}'
+    assert call_source(ToolCall("py", {"code": 1}, 0, 1)) == '{"code": 1}'
