@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from tests.agent.conftest import ANSWER, CFG, HANG_S, SCRIPTS, SLOW_S
+from tests.agent.scripted import call
 
 from tirl.agent import build_prompt_ids, derive_seed, render_tool_response, rollout, run_trajectory
 from tirl.agent.loop import call_source
@@ -502,26 +503,44 @@ async def test_a_tool_that_fails_to_close_loses_nothing(random_engine, tokenizer
     assert repr(record.exc_info[1]) == "RuntimeError('lookup table is gone')"
 
 
-async def test_time_spent_adds_up_within_the_trajectory(pool, tokenizer, sandbox, taught):
-    """tool_wait_seconds sums every call's wait (each call's own span lies inside it); with the
-    generation time it fits in the trajectory's wall time (one call per turn here: a turn's calls would
-    overlap)."""
-    spans: list[float] = []
+async def test_time_spent_adds_up_within_the_trajectory(engine, tokenizer, sandbox, taught):
+    """gen_seconds and tool_wait_seconds sum every turn's and every call's wait (each one's own span
+    lies inside it); together they fit in the trajectory's wall time (one call per turn here: a turn's
+    calls would overlap)."""
+    gen_spans: list[float] = []
+    tool_spans: list[float] = []
 
-    class Timed:
+    class TimedExecutor:
         async def run(self, code, stdin="", timeout=None):
             start = time.perf_counter()
             try:
                 return await sandbox.run(code, stdin, timeout)
             finally:
-                spans.append(time.perf_counter() - start)
+                tool_spans.append(time.perf_counter() - start)
+
+    class TimedEngine:
+        name = "timed"
+
+        async def generate(self, prompt_ids, params):
+            start = time.perf_counter()
+            try:
+                return await engine.generate(prompt_ids, params)
+            finally:
+                gen_spans.append(time.perf_counter() - start)
 
     cfg = CFG.model_copy(update={"max_turns": 3})
     start = time.perf_counter()
-    traj = await run_trajectory(pool, tokenizer, Timed(), SCRIPTS["loop"].problem, cfg, group="loop")
+    traj = await run_trajectory(
+        SingleEnginePool(TimedEngine()),
+        tokenizer,
+        TimedExecutor(),
+        SCRIPTS["loop"].problem,
+        cfg,
+        group="loop",
+    )
     wall = time.perf_counter() - start
-    assert traj.num_tool_calls == len(spans) == 2
-    assert sum(spans) <= traj.tool_wait_seconds and traj.gen_seconds > 0
+    assert (traj.num_tool_calls, len(tool_spans), traj.turns, len(gen_spans)) == (2, 2, 3, 3)
+    assert sum(tool_spans) <= traj.tool_wait_seconds and sum(gen_spans) <= traj.gen_seconds
     assert traj.tool_wait_seconds + traj.gen_seconds <= wall
 
 
@@ -531,3 +550,95 @@ async def test_call_source_is_the_code_else_the_arguments_as_json():
     assert call_source(ToolCall("py", {"code": "print('π')", "input": "1"}, 0, 1)) == "print('π')"
     assert call_source(ToolCall("lookup", {"key": "π"}, 0, 1)) == '{"key": "π"}'
     assert call_source(ToolCall("py", {"code": 1}, 0, 1)) == '{"code": 1}'
+
+
+class _PlayingEngine:
+    """Plays fixed turns as the model's tokens (log-prob -0.5 each); turn k comes from policy version k + 3
+    (as if the weights were updated between turns)."""
+
+    name = "playing"
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.turns = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+        self.served = 0
+
+    async def generate(self, prompt_ids, params):
+        whole = self.turns[self.served]
+        self.served += 1
+        ids = whole[: params.max_tokens]
+        finish = "stop" if ids == whole else "length"
+        return Generation(ids, [-0.5] * len(ids), finish, version=self.served + 2)
+
+
+async def _play_turns(tokenizer, sandbox, turns: list[str], **cfg):
+    engine = SingleEnginePool(_PlayingEngine(tokenizer, turns))
+    problem = Problem("p", "1?", "1")
+    return await run_trajectory(engine, tokenizer, sandbox, problem, CFG.model_copy(update=cfg), group="p")
+
+
+async def test_versions_per_token_and_answer_blocks_over_all_turns(tokenizer, sandbox):
+    """Each generated token records the policy version that sampled it, a tool response the version of
+    the turn that called it; answer blocks are counted over every turn (RoC penalizes more than one)."""
+    turns = [" <answer>\\boxed{1}</answer> " + call("print(1)"), " <answer>\\boxed{2}</answer><|im_end|>"]
+    traj = await _play_turns(tokenizer, sandbox, turns)
+    assert (traj.finish_reason, traj.turns, traj.answer_blocks, traj.num_tool_calls) == ("answered", 2, 2, 1)
+    first, second = runs(traj.response_ids, traj.loss_mask, 1)
+    [tool] = runs(traj.response_ids, traj.loss_mask, 0)
+    assert traj.versions == [3] * (len(first) + len(tool)) + [4] * len(second)
+    assert traj.logprobs == [-0.5] * len(first) + [0.0] * len(tool) + [-0.5] * len(second)
+
+
+async def test_a_turn_without_answer_or_call_ends_the_trajectory_unanswered(tokenizer, sandbox):
+    traj = await _play_turns(tokenizer, sandbox, [" I give up.<|im_end|>", " more"])
+    assert (traj.finish_reason, traj.turns, traj.answer_blocks, traj.num_tool_calls) == ("no_answer", 1, 0, 0)
+
+
+async def test_calls_beyond_max_calls_per_turn_are_answered_with_an_error(tokenizer, sandbox):
+    """The model learns the limit: the extra call is not run, its response says why."""
+    turns = [
+        " " + call("print(1)") + call("print(2)") + "<|im_end|>",
+        " <answer>\\boxed{1}</answer><|im_end|>",
+    ]
+    traj = await _play_turns(tokenizer, sandbox, turns, max_calls_per_turn=1)
+    # (records come in the order the calls finish: the error at once, the run later)
+    assert (
+        sorted(c.status for c in traj.tool_calls) == ["malformed", "ok"] and traj.finish_reason == "answered"
+    )
+    [tool] = runs(traj.response_ids, traj.loss_mask, 0)
+    assert "only 1 tool call(s) per turn are executed; call #2 was skipped" in tokenizer.decode(tool)
+    traj = await _play_turns(tokenizer, sandbox, turns, max_calls_per_turn=2)
+    assert [c.status for c in traj.tool_calls] == ["ok", "ok"]
+
+
+async def test_a_tool_response_that_fills_the_budget_ends_the_trajectory(tokenizer, sandbox):
+    """The response budget counts tool tokens: a tool response that would leave no room for one more
+    generated token is not appended; one token more of budget, and the next turn gets exactly that token."""
+    turns = [" " + call("print(1)"), " <answer>\\boxed{1}</answer><|im_end|>"]
+    whole = await _play_turns(tokenizer, sandbox, turns)
+    first, _ = runs(whole.response_ids, whole.loss_mask, 1)
+    [tool] = runs(whole.response_ids, whole.loss_mask, 0)
+    budget = len(first) + len(tool)
+    traj = await _play_turns(tokenizer, sandbox, turns, max_response_tokens=budget)
+    assert (traj.finish_reason, traj.turns, traj.response_ids) == ("length", 1, first)
+    traj = await _play_turns(tokenizer, sandbox, turns, max_response_tokens=budget + 1)
+    assert (traj.finish_reason, traj.turns, len(traj.response_ids)) == ("length", 2, budget + 1)
+    assert traj.response_ids[:budget] == whole.response_ids[:budget]
+
+
+async def test_a_failing_event_callback_is_logged_and_changes_nothing(tokenizer, sandbox, caplog):
+    """A broken display (on_event raising) must not end or alter the trajectory."""
+    turns = [" " + call("print(1)"), " <answer>\\boxed{1}</answer><|im_end|>"]
+    expected = await _play_turns(tokenizer, sandbox, turns)
+
+    def broken(kind, payload):
+        raise ValueError(f"cannot show {kind}")
+
+    engine = SingleEnginePool(_PlayingEngine(tokenizer, turns))
+    with caplog.at_level(logging.ERROR, logger="tirl.agent.loop"):
+        traj = await run_trajectory(
+            engine, tokenizer, sandbox, Problem("p", "1?", "1"), CFG, group="p", on_event=broken
+        )
+    assert (traj.finish_reason, traj.response_ids) == ("answered", expected.response_ids)
+    logged = [(r.getMessage(), str(r.exc_info[1])) for r in caplog.records if r.name == "tirl.agent.loop"]
+    kinds = ["turn", "tool_call", "tool_result", "turn", "finish"]
+    assert logged == [(f"on_event callback failed for {k}", f"cannot show {k}") for k in kinds]
