@@ -121,6 +121,18 @@ ERRORS = [
     ("<tool_call>[1, 2]</tool_call>", "got a JSON array"),
     ('<tool_call>{"name": "shell", "arguments": {"code": "ls"}}</tool_call>', "unknown tool 'shell'"),
     ('<tool_call>{"arguments": {"code": "1"}}</tool_call>', 'no "name"'),
+    (
+        f'<tool_call>{{"name": {{"name": "{NAME}"}}, "arguments": {{"code": "1"}}}}</tool_call>',
+        '"name" must be a JSON string, got a JSON object',
+    ),
+    (
+        '<tool_call>{"name": ["py"], "arguments": {}}</tool_call>',
+        '"name" must be a JSON string, got a JSON array',
+    ),
+    (
+        '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+        '"name" must be a JSON string, got a JSON number',
+    ),
     (f'<tool_call>{{"name": "{NAME}"}}</tool_call>', 'no "arguments"'),
     (
         f'<tool_call>{{"name": "{NAME}", "arguments": "print(1)"}}</tool_call>',

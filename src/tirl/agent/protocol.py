@@ -179,6 +179,8 @@ def _parse_one(
     if "name" not in obj:
         return error('tool call has no "name"')
     name = obj["name"]
+    if not isinstance(name, str):  # a model may write an object or a list here: not a key to look up
+        return error(f'"name" must be a JSON string, got a JSON {_json_type(name)}')
     if name not in schemas:
         if len(schemas) == 1:
             return error(f"unknown tool {name!r}: the only tool is {next(iter(schemas))!r}")
