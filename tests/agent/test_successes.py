@@ -22,8 +22,6 @@ from tirl.rl.config import TrainConfig
 from tirl.rl.metrics import read_metrics
 from tirl.rl.trainer import run_training
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
-
 # mul: 1 ok call, answers 42 (right). fix: 1 malformed + 1 ok call, answers 42 (right).
 # fix-wrong: the same conversation as fix, graded against 41: wrong.
 PROBLEMS = [
@@ -34,6 +32,7 @@ PROBLEMS = [
 
 
 @pytest.mark.timeout(900)  # teaching the model, then an evaluation
+@pytest.mark.asyncio(loop_scope="session")  # the session-scoped engine and sandbox
 async def test_evaluation_counts_the_right_answers(engine, tokenizer, sandbox, taught):
     cfg = EvalConfig(samples=2, temperature=0.0, max_turns=3, max_tokens=400, agent=CFG)
     async with RewardPool(RewardConfig(workers=1)) as rewards:

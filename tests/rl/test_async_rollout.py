@@ -29,12 +29,14 @@ from tirl.runtime.config import ClusterConfig
 from tirl.sandbox import SandboxConfig
 from tirl.seeds import derive_seed
 
-pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
+session_loop = pytest.mark.asyncio(loop_scope="session")  # the module-scoped runtime lives on it
 
 PROBLEMS = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(6)]
 AGENT = AgentConfig(max_turns=2, max_response_tokens=12)
 
 
+@session_loop
 async def test_a_turn_keeps_the_version_it_started_with_across_a_sync():
     """A sync does not wait for the turn in flight (engines swap weights between decode steps): that turn
     keeps its start version (a lower bound), the next turn gets the new one; busy time counts both."""
@@ -93,6 +95,7 @@ class _ScriptedEngine:
         pass
 
 
+@session_loop
 async def test_a_partial_rollout_keeps_each_tokens_version(tiny_model_dir):
     """A sync lands while the trajectory waits for its tool: turn 1 (and its tool response) keep
     version 0, turn 2 is generated with version 1."""
@@ -140,6 +143,7 @@ def _producer(rt, versions, alg: AlgorithmConfig, steps: int, seed: int = 3) -> 
     )  # fmt: skip
 
 
+@session_loop
 async def test_streamed_step_equals_generate_then_score_then_roc(runtime):
     """The synchronous step through the producer (each trajectory scored as it ends, RoC per group as it
     completes) trains on exactly what generate -> score -> RoC of the same prompts and seeds gives."""
@@ -187,6 +191,7 @@ class _HeldPool:
             yield engine
 
 
+@session_loop
 async def test_a_stale_group_is_dropped_and_its_prompt_trained_later(runtime):
     """k = 1, one prompt per step, 2 rollouts per prompt. Draw 0's second member is held back after its
     first finished at version 0; when the trainer reaches version 2 the group is 2 versions stale:

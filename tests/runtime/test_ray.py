@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,22 @@ def cluster():
     yield c
     ray.shutdown()
     c.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def idle_cluster(cluster) -> None:
+    """Each test starts on an idle cluster: Ray frees the last test's actors and placement groups
+    asynchronously, and a SPREAD group placed while one node is still held lands on the other node."""
+    deadline = time.monotonic() + 60
+    while (busy := _held(ray.cluster_resources(), ray.available_resources())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not busy, f"the previous test left these Ray resources held after 60 s: {busy}"
+
+
+def _held(total: dict[str, float], available: dict[str, float]) -> dict[str, float]:
+    """CPUs and GPUs in use (a placement group's bundles show under them too)."""
+    held = {k: total.get(k, 0.0) - available.get(k, 0.0) for k in ("CPU", "GPU")}
+    return {k: v for k, v in held.items() if v > 1e-6}
 
 
 def _cluster_cfg(cluster, **update) -> ClusterConfig:
