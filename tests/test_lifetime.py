@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.terminal import foreground
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))}
@@ -149,7 +150,7 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path):
     )  # fmt: skip
     argv = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "seed=3"]
     proc = subprocess.Popen(
-        argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        foreground(argv), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     output = Output(proc)
     try:
@@ -176,7 +177,7 @@ def test_ctrl_c_in_eval_keeps_the_finished_trajectories(tiny_model_dir, tmp_path
     argv = [sys.executable, "-m", "tirl.cli", "eval", "--model", str(tiny_model_dir), "--data", str(data),
             "--samples", "16", "--max-tokens", "48", "--max-turns", "2", "--out", str(out), "--reward-workers", "1"]  # fmt: skip
     proc = subprocess.Popen(
-        argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        foreground(argv), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     output = Output(proc)
     try:

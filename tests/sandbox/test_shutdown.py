@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+from tests.terminal import foreground
 
 from tirl.sandbox.server import STOPPED
 
@@ -25,7 +26,7 @@ def _free_port() -> int:
 def test_ctrl_c_answers_inflight_calls_with_503_not_500():
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tirl.cli", "sandbox", "serve", "--port", str(port), "--slots", "2"],
+        foreground([sys.executable, "-m", "tirl.cli", "sandbox", "serve", "--port", str(port), "--slots", "2"]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
