@@ -570,10 +570,10 @@ class _PlayingEngine:
         return Generation(ids, [-0.5] * len(ids), finish, version=self.served + 2)
 
 
-async def _play_turns(tokenizer, sandbox, turns: list[str], **cfg):
+async def _play_turns(tokenizer, sandbox, turns: list[str], on_event=None, **cfg):
     engine = SingleEnginePool(_PlayingEngine(tokenizer, turns))
-    problem = Problem("p", "1?", "1")
-    return await run_trajectory(engine, tokenizer, sandbox, problem, CFG.model_copy(update=cfg), group="p")
+    problem, agent = Problem("p", "1?", "1"), CFG.model_copy(update=cfg)
+    return await run_trajectory(engine, tokenizer, sandbox, problem, agent, group="p", on_event=on_event)
 
 
 async def test_versions_per_token_and_answer_blocks_over_all_turns(tokenizer, sandbox):
@@ -633,11 +633,8 @@ async def test_a_failing_event_callback_is_logged_and_changes_nothing(tokenizer,
     def broken(kind, payload):
         raise ValueError(f"cannot show {kind}")
 
-    engine = SingleEnginePool(_PlayingEngine(tokenizer, turns))
     with caplog.at_level(logging.ERROR, logger="tirl.agent.loop"):
-        traj = await run_trajectory(
-            engine, tokenizer, sandbox, Problem("p", "1?", "1"), CFG, group="p", on_event=broken
-        )
+        traj = await _play_turns(tokenizer, sandbox, turns, on_event=broken)
     assert (traj.finish_reason, traj.response_ids) == ("answered", expected.response_ids)
     logged = [(r.getMessage(), str(r.exc_info[1])) for r in caplog.records if r.name == "tirl.agent.loop"]
     kinds = ["turn", "tool_call", "tool_result", "turn", "finish"]
