@@ -1,5 +1,10 @@
-"""The README's quickstart runs as written: every shell command and the Python snippet of its
-"Quickstart, command by command" section, in README order, in one fresh run directory.
+"""The docs' commands run as written: every shell command and the Python snippet of the README's
+"Quickstart" section, then of docs/commands.md, then of docs/sandbox.md's "Running it" section, in that
+order, in one fresh run directory (a command shown twice runs once).
+
+Every other `tirl` command the README or a docs/*.md page shows (a GPU, a cluster, a placeholder) is
+listed in NOT_RUN with the reason; all of them, run or not, must parse with tirl's command line and, when
+they name a real config, load it with their `key.path=value` overrides.
 
 Only sizes shrink (fewer steps, samples and tokens, a tiny model for the 14B one, small local benchmark
 files, a free port for 8080): SMALL below holds one rule per README command, and a README command
@@ -26,7 +31,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-SECTION = ("## Quickstart, command by command", "## Configuration")
+DOCS = ROOT / "docs"
+# The runnable parts, in the order they run: (file, the heading that starts the part; None = all of it).
+RUNNABLE = [
+    (README, "## Quickstart\n"),
+    (DOCS / "commands.md", None),
+    (DOCS / "sandbox.md", "## Running it\n"),
+]
 
 # The demo at the smallest size that still runs every phase (as tests/demo/test_demo.py).
 MICRO_DEMO = [
@@ -118,11 +129,57 @@ TRAINING_FILES = {
 }
 
 
+# `tirl` commands shown in docs but not run by this test: a prefix of the command and why.
+NOT_RUN: dict[str, str] = {
+    "tirl train --config CONFIG cluster.backend=ray": "a placeholder config; the ray runtime's training "
+    "runs are tests/runtime/test_ray.py (a simulated 2-node cluster)",
+    "tirl train --config src/tirl/configs/rstar2/train.yaml cluster=": "the paper's 64 GPUs",
+    "tirl eval --model MODEL": "a Ray cluster with 16 GPUs",
+    "tirl data filter-hard --checkpoint RUN/": "a Ray cluster with GPUs and a trained checkpoint",
+    "tirl train --config CONFIG algorithm.async=true": "a placeholder config; asynchronous training runs "
+    "are tests/rl (async producer, k=0 bit for bit, resume) and benchmarks/async_demo.py",
+}
+# Placeholders of NOT_RUN commands, replaced by a real file when their config is loaded.
+PLACEHOLDER_CONFIG = {"CONFIG": "src/tirl/configs/demo/train.yaml"}
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, text) of every fenced block with a language."""
+    return re.findall(r"```(\w+)\n(.*?)```", text, flags=re.S)
+
+
+def part(path: Path, heading: str | None) -> str:
+    """The text of a file from `heading` to the next `## ` heading (all of it for None)."""
+    text = path.read_text()
+    if heading is None:
+        return text
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start : end if end != -1 else len(text)]
+
+
 def quickstart() -> list[tuple[str, str]]:
-    """(language, text) of every fenced block in the quickstart section."""
-    text = README.read_text()
-    start, end = text.index(SECTION[0]), text.index(SECTION[1])
-    return re.findall(r"```(\w+)\n(.*?)```", text[start:end], flags=re.S)
+    """(language, text) of every fenced block of the runnable parts, in run order."""
+    return [block for path, heading in RUNNABLE for block in fenced_blocks(part(path, heading))]
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(file, argv) of every shell command in a bash block of README.md and docs/*.md."""
+    found = []
+    for path in [README, *sorted(DOCS.glob("*.md"))]:
+        for language, block in fenced_blocks(path.read_text()):
+            if language in ("bash", "sh", "shell"):
+                found += [(path.name, argv) for argv in shell_commands(block)]
+    return found
+
+
+def tirl_args(argv: list[str]) -> list[str] | None:
+    """The arguments of a `tirl` command (`tirl ...`, `.venv/bin/tirl ...`, `torchrun ... -m tirl.cli ...`)."""
+    if argv[0].endswith("/tirl") or argv[0] == "tirl":
+        return argv[1:]
+    if "tirl.cli" in argv and argv[argv.index("tirl.cli") - 1] == "-m":
+        return argv[argv.index("tirl.cli") + 1 :]
+    return None
 
 
 def shell_commands(block: str) -> list[list[str]]:
@@ -232,7 +289,7 @@ def test_every_quickstart_command_runs_as_written(rundir):
     cwd, env = rundir
     port = free_port()
     server = None
-    ran = []
+    ran, seen = [], set()
     try:
         for language, block in quickstart():
             if language == "python":
@@ -240,6 +297,9 @@ def test_every_quickstart_command_runs_as_written(rundir):
                 ran.append("python snippet")
                 continue
             for argv in shell_commands(block):
+                if tuple(argv) in seen:  # shown in the README and again in docs/: ran once
+                    continue
+                seen.add(tuple(argv))
                 key, rule = rule_for(argv)
                 command = small(argv, rule, port)
                 print(f"README: {shlex.join(argv)}\n   ran as: {shlex.join(command)}", flush=True)
@@ -262,7 +322,7 @@ def test_every_quickstart_command_runs_as_written(rundir):
 
 
 def test_the_quickstart_parses_into_known_commands():
-    """Fast guard (every `make test-fast`): each README command has a rule, and the snippet compiles."""
+    """Fast guard (every `make test-fast`): each runnable command has a rule, and the snippet compiles."""
     blocks = quickstart()
     commands = [argv for language, block in blocks if language == "bash" for argv in shell_commands(block)]
     keys = {rule_for(argv)[0] for argv in commands}
@@ -272,3 +332,59 @@ def test_the_quickstart_parses_into_known_commands():
     assert serve == [".venv/bin/tirl", "sandbox", "serve", "--port", "8080"]  # [optional ...] dropped
     (snippet,) = [block for language, block in blocks if language == "python"]
     compile(snippet, "README", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+
+
+def parse_tirl(args: list[str]) -> tuple[str, dict, list[str]]:
+    """Parse a `tirl` command line as the CLI would, without running it: (command, options, extra args)."""
+    import typer
+
+    from tirl.cli import app
+
+    command = typer.main.get_command(app)
+    ctx = command.make_context("tirl", list(args))
+    while hasattr(command, "resolve_command"):  # a group: descend into the subcommand
+        name, command, rest = command.resolve_command(ctx, [*ctx._protected_args, *ctx.args])
+        ctx = command.make_context(name, rest, parent=ctx)
+    return command.name, ctx.params, list(ctx.args)
+
+
+def test_every_documented_tirl_command_parses(monkeypatch):
+    """Every `tirl` command of README.md and docs/*.md is run by the test above or listed in NOT_RUN, and
+    all of them parse; `train`/`sft` commands load their config with their overrides."""
+    from tirl.config import load_config
+    from tirl.rl.config import SFTConfig, TrainConfig
+
+    monkeypatch.chdir(ROOT)  # configs and `cluster=FILE` overrides are paths from the repository root
+    runnable = {
+        tuple(argv)
+        for language, block in quickstart()
+        if language == "bash"
+        for argv in shell_commands(block)
+    }
+    problems, not_run_used = [], set()
+    commands = [
+        (name, argv, args) for name, argv in documented_commands() if (args := tirl_args(argv)) is not None
+    ]
+    assert len(commands) > 20, commands
+    for name, argv, args in commands:
+        shown = f"{name}: `{shlex.join(argv)}`"
+        if tuple(argv) not in runnable:
+            line = " ".join(["tirl", *args])
+            reasons = [key for key in NOT_RUN if line.startswith(key)]
+            if not reasons:
+                problems.append(f"{shown} is neither run by this test nor listed in NOT_RUN with a reason")
+            not_run_used.update(reasons)
+        try:
+            command, params, extra = parse_tirl(args)
+        except Exception as e:  # click's UsageError and friends: the message says what is wrong
+            problems.append(f"{shown} does not parse: {e}")
+            continue
+        model = {"train": TrainConfig, "sft": SFTConfig}.get(command)
+        config = PLACEHOLDER_CONFIG.get(params.get("config"), params.get("config"))
+        if model is not None and Path(config).is_file():
+            try:
+                load_config(model, config, [a for a in extra if "=" in a])
+            except Exception as e:
+                problems.append(f"{shown}: its config does not load: {e}")
+    assert not problems, "\n".join(problems)
+    assert not_run_used == set(NOT_RUN), f"NOT_RUN entries no doc shows: {set(NOT_RUN) - not_run_used}"
