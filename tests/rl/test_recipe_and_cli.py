@@ -88,4 +88,4 @@ def test_train_cli_reports_bad_config(tmp_path):
 @pytest.mark.parametrize("name", ["sft.yaml", "train.yaml", "eval.yaml"])
 def test_recipe_files_are_documented(name):
     text = (RECIPE / name).read_text()
-    assert text.startswith("# rStar2-Agent") and "SPEC.md" in text
+    assert text.startswith("# rStar2-Agent") and "docs/method.md" in text

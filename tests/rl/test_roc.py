@@ -1,4 +1,4 @@
-"""RoC pinned to SPEC.md 3: class split, 1/p_total sampling without replacement, edge cases."""
+"""RoC pinned to docs/method.md §3: class split, 1/p_total sampling without replacement, edge cases."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every hostile input of SANDBOX.md: a clear status and message, the host untouched, the pool still serving."""
+"""Every hostile input of docs/sandbox.md: a clear status and message, the host untouched, the pool still serving."""
 
 from __future__ import annotations
 

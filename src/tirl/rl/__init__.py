@@ -1,4 +1,4 @@
-"""tirl.rl: GRPO-RoC and the trainers (SPEC.md 3-4).
+"""tirl.rl: GRPO-RoC and the trainers (docs/method.md §3-4).
 
 roc.py          Resample-on-Correct: down-sample 2G rollouts to G (resample_on_correct)
 grpo.py         the paper's GRPO in its public names (group_advantages, policy_loss)

@@ -19,7 +19,7 @@ class _Strict(BaseModel):
 
 
 class AlgorithmConfig(_Strict):
-    """GRPO-RoC (SPEC.md 3). Objective choices are names of the registries in tirl.rl.advantages and
+    """GRPO-RoC (docs/method.md §3). Objective choices are names of the registries in tirl.rl.advantages and
     tirl.rl.losses, or `module:function` paths to your own."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -204,7 +204,7 @@ class TrainConfig(_Strict):
 
 
 class SFTConfig(_Strict):
-    """Stage 0: non-reasoning SFT (SPEC.md 4): loss on assistant tokens only, cosine schedule."""
+    """Stage 0: non-reasoning SFT (docs/method.md §4): loss on assistant tokens only, cosine schedule."""
 
     model: str
     data: list[str] = Field(min_length=1)  # chat-format JSONL files (see tirl.rl.sft)

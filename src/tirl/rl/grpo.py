@@ -1,4 +1,4 @@
-"""GRPO as the paper uses it (SPEC.md 3), in the names docs and tests rely on.
+"""GRPO as the paper uses it (docs/method.md §3), in the names docs and tests rely on.
 
 The pieces live in their registries: advantage estimators in tirl.rl.advantages, policy losses,
 aggregations, KL and entropy in tirl.rl.losses (where Dr.GRPO, GSPO and the dual clip are too).

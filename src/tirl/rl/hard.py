@@ -1,4 +1,4 @@
-"""The stage-3 hard-problem filter (SPEC.md 4): keep the problems the policy does not solve k/k."""
+"""The stage-3 hard-problem filter (docs/method.md §4): keep the problems the policy does not solve k/k."""
 
 from __future__ import annotations
 

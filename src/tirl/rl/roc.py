@@ -1,4 +1,4 @@
-"""Resample-on-Correct (RoC): down-sample an oversampled group of 2G rollouts to G (SPEC.md 3).
+"""Resample-on-Correct (RoC): down-sample an oversampled group of 2G rollouts to G (docs/method.md §3).
 
 Negatives (reward 0) are kept uniformly at random, without ranking. Positives (reward 1) are kept by
 sampling WITHOUT replacement with probability proportional to 1/p_total, where

@@ -1,4 +1,4 @@
-"""The seccomp denylist: syscalls user code never needs and an escape would (SANDBOX.md).
+"""The seccomp denylist: syscalls user code never needs and an escape would (docs/sandbox.md).
 
 The filter is compiled once per zygote to classic BPF (and wrapped for the kernel once per fork
 server) and installed per call with one prctl: no libseccomp compile, no ctypes objects per call.
