@@ -23,11 +23,12 @@ from rich.table import Table
 from tirl.config import dump_config
 from tirl.data import write_problems
 from tirl.demo.synthetic import generate
+from tirl.distributed.groups import init_distributed
 from tirl.rl.config import AlgorithmConfig, OptimConfig, TrainConfig
-from tirl.rl.distributed import init_distributed
 from tirl.rl.metrics import read_metrics
 from tirl.rl.policy import Policy, TrainSample
-from tirl.rl.trainer import grpo_update, run_training
+from tirl.rl.trainer import run_training
+from tirl.rl.update import grpo_update
 from tirl.tiny_model import create_tiny_model
 
 

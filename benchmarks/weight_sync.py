@@ -5,7 +5,7 @@ trainer rank 0 and each engine actor): the sender holds the policy, the receiver
 serving the same model. Per model preset, side by side:
   - full-state: the sender materialises the whole state dict, ships it as one object, the
     receiver loads it (what handing `full_model_state` to a remote engine amounts to);
-  - bucketed: tirl.rl.weight_sync streams named parameters in size-bounded buckets.
+  - bucketed: tirl.distributed.weight_sync streams named parameters in size-bounded buckets.
 and, for reference, today's in-process path of the `local` runtime (state dict -> load_weights in
 the same process, no transport). Prints seconds per sync (median), MB/s, and the bytes the sender
 stages beyond its own parameters (full state + its pickle vs one bucket).
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tirl.rl.weight_sync import SyncGroup, broadcast_pickled, free_port, receive_into, send_weights
+from tirl.distributed.weight_sync import SyncGroup, broadcast_pickled, free_port, receive_into, send_weights
 
 
 def _engine(model_dir: str):

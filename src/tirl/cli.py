@@ -190,7 +190,7 @@ def eval_command(
     from tirl.config import ConfigError, ensure_writable_dir, load_config
     from tirl.data import DataError
     from tirl.engines.config import EngineConfig
-    from tirl.engines.factory import load_tokenizer
+    from tirl.engines.tokenizer import load_tokenizer
     from tirl.eval.commands import eval_cluster, load_benchmarks, run_eval
     from tirl.eval.config import EvalConfig, with_model_agent
     from tirl.reward import RewardConfig

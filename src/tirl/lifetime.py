@@ -22,7 +22,7 @@ ENV = "TIRL_PARENT_PID"
 
 def die_with_parent(parent: int | None = None) -> None:
     """SIGKILL this process when its parent dies; exit at once if the parent is already gone."""
-    from tirl.sandbox.linux import PR_SET_PDEATHSIG, prctl
+    from tirl.linux import PR_SET_PDEATHSIG, prctl
 
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:  # the parent died before the prctl

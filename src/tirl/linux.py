@@ -1,4 +1,5 @@
-"""Thin ctypes bindings for the Linux calls Python 3.11 lacks (unshare, setns, mount, prctl)."""
+"""Thin ctypes bindings for the Linux calls Python 3.11 lacks (unshare, setns, mount, prctl): used by the
+sandbox's isolation and by tirl.lifetime (parent-death signal)."""
 
 from __future__ import annotations
 

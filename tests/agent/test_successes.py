@@ -21,6 +21,7 @@ from tirl.reward.pool import RewardConfig
 from tirl.rl.config import TrainConfig
 from tirl.rl.metrics import read_metrics
 from tirl.rl.trainer import run_training
+from tirl.runtime import Runtime
 
 # mul: 1 ok call, answers 42 (right). fix: 1 malformed + 1 ok call, answers 42 (right).
 # fix-wrong: the same conversation as fix, graded against 41: wrong.
@@ -36,9 +37,8 @@ PROBLEMS = [
 async def test_evaluation_counts_the_right_answers(engine, tokenizer, sandbox, taught):
     cfg = EvalConfig(samples=2, temperature=0.0, max_turns=3, max_tokens=400, agent=CFG)
     async with RewardPool(RewardConfig(workers=1)) as rewards:
-        report = await evaluate(
-            SingleEnginePool(engine), tokenizer, sandbox, {"taught": PROBLEMS}, cfg, rewards, progress=False
-        )
+        rt = Runtime([engine], SingleEnginePool(engine), sandbox, rewards, tokenizer)
+        report = await evaluate(rt, {"taught": PROBLEMS}, cfg, progress=False)
     m = report.metrics["taught"]
     assert [r.rewards for r in report.benchmarks["taught"].problems] == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
     assert (m.problems, m.samples) == (3, 2)

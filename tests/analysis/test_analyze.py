@@ -65,7 +65,7 @@ def test_high_entropy_tokens_of_hand_built_trajectories():
 
 
 def test_analyze_command_with_two_models(tiny_model_dir, tmp_path):
-    from tirl.engines.factory import load_tokenizer
+    from tirl.engines.tokenizer import load_tokenizer
     from tirl.tiny_model import create_tiny_model
 
     tok = load_tokenizer(str(tiny_model_dir))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tirl.demo.seeds import interval, paired_difference, per_step, summarize
+from tirl.demo.seed_stats import interval, paired_difference, per_step, summarize
 
 
 def test_interval_is_the_student_t_interval_of_the_mean():

@@ -100,7 +100,7 @@ async def test_no_tool_and_give_up_guesses_are_right_only_by_luck(sandbox):
 
 @pytest.mark.asyncio(loop_scope="package")
 async def test_mix_shares_and_sft_masking(sandbox, tiny_model_dir, tmp_path):
-    from tirl.engines.factory import load_tokenizer
+    from tirl.engines.tokenizer import load_tokenizer
     from tirl.rl.sft import read_examples, tokenize_example
 
     _, traces = await traces_of(TraceMix(no_tool=0.3, code_fix=0.3, give_up=0.1), 40, sandbox)

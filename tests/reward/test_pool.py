@@ -67,9 +67,10 @@ async def test_close_kills_workers():
 
 async def test_truncated_or_failed_trajectories_keep_reward_zero():
     from tirl.agent.trajectory import Trajectory
+    from tirl.runtime import score_trajectory
 
     text = "<answer>\\boxed{\\frac{1}{2}}</answer>"
     async with RewardPool(RewardConfig(workers=1)) as pool:
         for finish, reward in [("answered", 1.0), ("max_turns", 1.0), ("length", 0.0), ("error", 0.0)]:
             traj = Trajectory(problem_id="p", prompt_ids=[1], response_text=text, finish_reason=finish)
-            assert await pool.score_trajectory(traj, "0.5") == reward
+            assert await score_trajectory(pool, traj, "0.5") == reward

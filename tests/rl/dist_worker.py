@@ -27,10 +27,10 @@ def fixed_samples(vocab: int, n: int = 10, seed: int = 0):
 def run_updates(model_dir: str, steps: int = 3) -> dict:
     import torch
 
+    from tirl.distributed.groups import full_model_state, init_distributed
     from tirl.rl.config import AlgorithmConfig, OptimConfig
-    from tirl.rl.distributed import full_model_state, init_distributed
     from tirl.rl.policy import Policy
-    from tirl.rl.trainer import grpo_update
+    from tirl.rl.update import grpo_update
 
     torch.manual_seed(0)
     info = init_distributed("cpu")
@@ -57,7 +57,7 @@ def run_updates(model_dir: str, steps: int = 3) -> dict:
 
 
 if __name__ == "__main__":
-    from tirl.rl.distributed import shutdown_distributed
+    from tirl.distributed.groups import shutdown_distributed
 
     result = run_updates(sys.argv[1])
     if result["rank"] == 0:

@@ -24,7 +24,7 @@ from tirl.rl.async_rollout import GroupProducer
 from tirl.rl.config import AlgorithmConfig, TrainConfig
 from tirl.rl.sampler import EpochSampler
 from tirl.rl.trainer import roc_select
-from tirl.runtime import generate, open_runtime, score
+from tirl.runtime import generate_scored, open_runtime
 from tirl.runtime.config import ClusterConfig
 from tirl.sandbox import SandboxConfig
 from tirl.seeds import derive_seed
@@ -156,10 +156,9 @@ async def test_streamed_step_equals_generate_then_score_then_roc(runtime):
         await producer.close()
     batch = [PROBLEMS[i] for i in EpochSampler(len(PROBLEMS), 3).next(2)]
     assert [p.id for p in step.problems] == [p.id for p in batch]
-    groups = await generate(
+    groups = await generate_scored(
         runtime, batch, alg.rollouts_per_prompt, AGENT, seed=derive_seed(3, 0), concurrency=256
     )
-    await score(runtime, groups, batch)
     kept = [roc_select(g, alg, derive_seed(3, 0, i)) for i, g in enumerate(groups)]
     assert step.kept == kept
     for got, want in zip(step.groups, groups, strict=True):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from tirl.distributed.groups import DistInfo
 from tirl.rl.config import AlgorithmConfig, OptimConfig, TrainConfig
-from tirl.rl.distributed import DistInfo
 from tirl.rl.importance import truncated_is_weights
 from tirl.rl.losses import AGGREGATIONS, POLICY_LOSSES, BatchCounts, ClipConfig, Objective, PolicyInputs
 from tirl.rl.policy import Policy, TrainSample
-from tirl.rl.trainer import grpo_update
+from tirl.rl.update import grpo_update
 
 
 def _lp(rows):

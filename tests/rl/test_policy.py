@@ -68,10 +68,10 @@ def test_two_fsdp2_processes_match_one(tiny_model_dir, tmp_path):
 
 def test_kl_term_against_the_stage_reference(tiny_model_dir):
     """With kl_coef > 0 the reference is the policy at the stage start: KL 0 first, > 0 after an update."""
+    from tirl.distributed.groups import init_distributed
     from tirl.rl.config import AlgorithmConfig, OptimConfig
-    from tirl.rl.distributed import init_distributed
     from tirl.rl.policy import Policy
-    from tirl.rl.trainer import grpo_update
+    from tirl.rl.update import grpo_update
 
     worker = _load_worker()
     policy = Policy(
@@ -94,8 +94,8 @@ def test_gradient_checkpointing_recomputes_layers_without_dropout(tiny_model_dir
     import torch
     from transformers import AutoConfig
 
+    from tirl.distributed.groups import init_distributed
     from tirl.rl.config import OptimConfig
-    from tirl.rl.distributed import init_distributed
     from tirl.rl.policy import Policy
 
     model_dir = tmp_path / "dropout_model"

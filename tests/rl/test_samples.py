@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tirl.agent.trajectory import Trajectory
+from tirl.distributed.groups import DistInfo
 from tirl.rl.config import OptimConfig
-from tirl.rl.distributed import DistInfo
 from tirl.rl.policy import Policy, TrainSample
-from tirl.rl.trainer import build_samples, engine_gap
+from tirl.rl.trainer import build_samples
+from tirl.rl.update import engine_gap
 
 PROMPT = [10, 11, 12]
 TURN_1, TOOL, TURN_2 = [20, 21, 22], [30, 31], [40, 41]  # a generated turn, a tool response, the final turn

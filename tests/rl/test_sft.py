@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tirl.config import ConfigError
-from tirl.engines.factory import load_tokenizer
+from tirl.engines.tokenizer import load_tokenizer
 from tirl.rl.checkpoint import latest_model_dir
 from tirl.rl.config import SFTConfig
 from tirl.rl.metrics import read_metrics

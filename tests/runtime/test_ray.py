@@ -27,10 +27,15 @@ from tirl.reward import RewardConfig  # noqa: E402
 from tirl.rl.checkpoint import latest_checkpoint  # noqa: E402
 from tirl.rl.config import TrainConfig  # noqa: E402
 from tirl.rl.metrics import read_metrics  # noqa: E402
-from tirl.rl.trainer import open_cluster_placement, run_training  # noqa: E402
-from tirl.runtime import ClusterConfig, generate, open_runtime, score  # noqa: E402
+from tirl.rl.ray_learner import open_ray_learner  # noqa: E402
+from tirl.rl.trainer import run_training  # noqa: E402
+from tirl.runtime import (  # noqa: E402
+    ClusterConfig,
+    generate_scored,
+    open_cluster_placement,
+    open_runtime,
+)
 from tirl.runtime.ray_cluster import ClusterError  # noqa: E402
-from tirl.runtime.ray_learner import open_ray_learner  # noqa: E402
 from tirl.sandbox import SandboxConfig  # noqa: E402
 
 PROBLEMS = [("p1", "What is 12 + 30?", "42"), ("p2", "What is 7 * 6?", "42"), ("p3", "What is 2 ** 5?", "32")]
@@ -161,9 +166,7 @@ def test_two_step_grpo_roc_on_two_nodes_matches_local(cluster, tiny_model_dir, t
 
 async def _rollout(rt, problems, on_done=None):
     agent = AgentConfig(max_turns=3, max_response_tokens=24)
-    groups = await generate(rt, problems, 3, agent, seed=11, concurrency=16, on_done=on_done)
-    await score(rt, groups, problems)
-    return groups
+    return await generate_scored(rt, problems, 3, agent, seed=11, concurrency=16, on_scored=on_done)
 
 
 def _sandbox_pids(urls: list[str]) -> list[int]:
@@ -434,7 +437,7 @@ def _placed(cluster, tiny_model_dir, tmp_path, colocate: bool):
 
     async def main():
         await _cluster_idle()
-        with open_cluster_placement(cfg) as placement:
+        with open_cluster_placement(cfg.cluster, cfg.engine.num_engines) as placement:
             async with (
                 open_ray_learner(cfg, str(tiny_model_dir), 1, placement) as learner,
                 open_runtime(cfg.cluster, cfg.engine, cfg.sandbox, None, placement=placement) as rt,

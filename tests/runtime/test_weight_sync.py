@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tirl.rl.weight_sync import Entry, plan_buckets
+from tirl.distributed.weight_sync import Entry, plan_buckets
 
 
 def test_buckets_keep_order_stay_within_the_bound_and_give_big_tensors_their_own():

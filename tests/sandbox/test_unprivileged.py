@@ -26,7 +26,7 @@ NOBODY = 65534
 # Runs as root, then as NOBODY: prints one JSON line with what the checks saw.
 SERVICE = r"""
 import asyncio, json, os, sys
-from tirl.sandbox import linux
+from tirl import linux
 
 def expose(blocked):
     '''A tmpfs (0755) over each directory NOBODY cannot traverse, with the needed entries bound back.'''

@@ -254,7 +254,7 @@ async def rollout(
         for row in tasks:
             for t in row:
                 t.cancel()
-    errors = sum(t.finish_reason == "error" for g in groups for t in g)
+    errors = sum(t.failed for g in groups for t in g)
     if errors:
         log.warning("rollout: %d of %d trajectories ended with error (not scored)", errors, len(problems) * n)
     return groups

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tirl.agent.config import AgentConfig
 from tirl.agent.tools import PythonTool, schema_name, toolbox
+from tirl.config import ConfigError
 
 # The paper's tool, the default (tirl.agent.tools.PythonTool).
 TOOL_NAME = PythonTool.name
@@ -290,3 +291,22 @@ def render_tool_response(
 ) -> list[int]:
     """The tool-response segment as token ids, tokenized on its own (loss mask 0 in the trajectory)."""
     return encode(tokenizer, tool_response_text(responses, cfg, turn_closed))
+
+
+def longest_prompt(tokenizer, problems, agent_cfg) -> int:
+    """Tokens of the longest prompt: the engine's context must hold it plus the response budget."""
+    return max((len(build_prompt_ids(tokenizer, p.problem, agent_cfg)) for p in problems), default=0)
+
+
+def check_context(tokenizer, problems, agent_cfg, max_model_len: int, where: str) -> int:
+    """Fail before the first rollout when a prompt does not fit the engine's context (it would fail
+    every rollout of that problem); returns the longest prompt's length. Tokenizes the 64 longest
+    problem texts only, so a large training set costs no time."""
+    longest = sorted(problems, key=lambda p: len(p.problem), reverse=True)[:64]
+    prompt = longest_prompt(tokenizer, longest, agent_cfg)
+    if prompt >= max_model_len:
+        raise ConfigError(
+            f"{where}: a prompt of {prompt} tokens does not fit engine.max_model_len={max_model_len}; "
+            f"raise it to at least {prompt + agent_cfg.max_response_tokens} (prompt + max_response_tokens)"
+        )
+    return prompt

@@ -43,14 +43,11 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from tirl.agent.trajectory import ToolCallStatus
 from tirl.plugins import PluginError, resolve
 from tirl.sandbox.result import ExecResult, Executor, Status
-
-if TYPE_CHECKING:
-    from tirl.agent.config import AgentConfig
 
 
 class Session(Protocol):
@@ -79,12 +76,20 @@ class ToolResult:
     wall_ms: float = 0.0  # time the tool itself took (for the metrics)
 
 
+class ToolSettings(Protocol):
+    """The agent settings the built-in tools read; the loop passes its whole AgentConfig
+    (tirl.agent.config, which lists the tools and so sits above this module)."""
+
+    tool_timeout: float
+    show_exec_time: bool
+
+
 @dataclass(frozen=True)
 class ToolContext:
     """What a tool may use: the trajectory's sandbox executor and the agent config."""
 
     executor: Executor | None
-    cfg: AgentConfig
+    cfg: ToolSettings
 
 
 class Tool(ABC):

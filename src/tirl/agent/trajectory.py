@@ -13,6 +13,9 @@ INFRA_TOOL_STATUSES: frozenset[str] = frozenset({"sandbox_error"})
 # answered: the last turn made no tool call and gave an <answer>; no_answer: it made no call and gave
 # none; max_turns / length: a budget ended it; error: the engine or a tool's infrastructure failed.
 TrajectoryFinish = Literal["answered", "no_answer", "max_turns", "length", "error"]
+# Finish reasons that keep reward 0 without asking the verifier: cut at the length budget (the paper keeps
+# truncated trajectories at 0; overlong filtering hurt) or ended by an infrastructure error.
+UNSCORED_FINISH: frozenset[str] = frozenset({"length", "error"})
 
 
 @dataclass
@@ -58,6 +61,17 @@ class Trajectory:
     tool_wait_seconds: float = 0.0
     engine: str = ""
     sample_index: int = 0
+
+    @property
+    def failed(self) -> bool:
+        """An infrastructure failure (engine or sandbox) ended it: it says nothing about the policy, so it
+        is never a RoC candidate nor trained on, but it counts in the metrics."""
+        return self.finish_reason == "error"
+
+    @property
+    def scored(self) -> bool:
+        """Its reward comes from the verifier (else it keeps 0: UNSCORED_FINISH)."""
+        return self.finish_reason not in UNSCORED_FINISH
 
     @property
     def num_tool_calls(self) -> int:

@@ -29,7 +29,7 @@ def analyze(
     most_common: int = 20,
 ) -> dict:
     """Write OUT/report.md, OUT/analysis.json and OUT/entropy_trajectory.png; returns the analysis."""
-    from tirl.engines.factory import load_tokenizer
+    from tirl.engines.tokenizer import load_tokenizer
     from tirl.rl.checkpoint import resolve_model_path
 
     if not 0 < top <= 1:

@@ -7,7 +7,7 @@ GRPO-RoC against the real sandbox and reward, and evaluated again with the same 
 lands under one output directory: models, metrics JSONL, evaluation reports, PNG plots, report.md and
 summary.json. `--compare grpo` also trains plain GRPO (RoC off) with the same budget, for the paper's
 Figure 4 (tool-error ratio inside correct trajectories) at tiny scale; `--seeds N` repeats both RL
-runs (not SFT) with N seeds and reports every curve with its 95% interval (tirl.demo.seeds).
+runs (not SFT) with N seeds and reports every curve with its 95% interval (tirl.demo.seed_stats).
 """
 
 from __future__ import annotations
@@ -343,9 +343,7 @@ async def _evaluate(settings: DemoSettings, model: Path, problems, out_dir: Path
     engine = EngineConfig.model_validate(settings.train.get("engine", {}) | {"model": str(model)})
     reward = RewardConfig.model_validate(settings.train.get("reward", {}))
     async with open_runtime(ClusterConfig(), engine, _sandbox_config(settings), reward) as rt:
-        report = await evaluate(
-            rt.pool, rt.tokenizer, rt.executor, {"heldout": problems}, cfg, rt.scorer, progress=progress
-        )
+        report = await evaluate(rt, {"heldout": problems}, cfg, progress=progress)
     report.write(out_dir)
     return report
 
@@ -399,7 +397,7 @@ def _report(
 ) -> dict:
     """`evals` and `train_dirs` by run tag (rl, grpo, or rl_seed0, ...); `groups`: run name -> its tags."""
     from tirl.demo.plots import plot_accuracy, plot_comparison, plot_training
-    from tirl.demo.seeds import summarize
+    from tirl.demo.seed_stats import summarize
     from tirl.rl.metrics import read_metrics
 
     numbers = {tag: _eval_numbers(report) for tag, report in evals.items()}
@@ -449,7 +447,7 @@ def _comparison_markdown(comparison: dict | None) -> list[str]:
     """The multi-seed table: each quantity's mean [95% interval] per run and the paired difference."""
     if comparison is None:
         return []
-    from tirl.demo.seeds import CURVES
+    from tirl.demo.seed_stats import CURVES
 
     names = [n for n in comparison["heldout_accuracy"] if n not in ("sft", "difference")]
     head = " | ".join(LABELS.get(n, n) for n in names)

@@ -127,9 +127,9 @@ def _bands(ax, curves: dict[str, dict], scale: float) -> None:
 
 
 def plot_comparison(summary: dict, out_dir: str | Path) -> list[Path]:
-    """The multi-seed comparison (tirl.demo.seeds.summarize) as the paper's Figure 4 (tool-error ratio
+    """The multi-seed comparison (tirl.demo.seed_stats.summarize) as the paper's Figure 4 (tool-error ratio
     in correct trajectories) and Figure 9 (reward, held-out accuracy, response length, tool calls)."""
-    from tirl.demo.seeds import CURVES
+    from tirl.demo.seed_stats import CURVES
 
     plt = _pyplot()
     out = Path(out_dir)

@@ -2,7 +2,8 @@
 
 from tirl.engines.base import Engine, EnginePool, Generation, KVCapacity, SamplingParams, SingleEnginePool
 from tirl.engines.config import EngineConfig
-from tirl.engines.factory import build_engines, build_pool, load_tokenizer
+from tirl.engines.factory import build_engines, build_pool
+from tirl.engines.tokenizer import load_tokenizer
 
 __all__ = [
     "Engine",

@@ -1,24 +1,9 @@
-"""Build engines, an engine pool and the tokenizer from an EngineConfig."""
+"""Build engines and an engine pool from an EngineConfig."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tirl.engines.base import Engine, EnginePool, SingleEnginePool
 from tirl.engines.config import EngineConfig
-
-
-def load_tokenizer(path: str | Path):
-    """The model's tokenizer (fast, with its chat template)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"cannot load a tokenizer from {str(path)!r}: give a model directory with tokenizer files "
-            f"(e.g. one written by `tirl model init --preset tiny --out PATH`). Cause: {exc}"
-        ) from exc
 
 
 def build_engines(cfg: EngineConfig, model=None) -> list[Engine]:

@@ -91,7 +91,7 @@ class HFEngine:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         if tokenizer is None and cfg.model:
-            from tirl.engines.factory import load_tokenizer
+            from tirl.engines.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.model)
         self.tokenizer = tokenizer  # only needed for stop strings

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from tirl.agent.protocol import check_context, longest_prompt
 from tirl.data import load_problems
 from tirl.data.problem import Problem
 from tirl.engines.config import EngineConfig
@@ -34,29 +35,6 @@ def load_benchmarks(sources: list[str], limit: int | None, data_dir: str | None)
         if not benchmarks[name]:
             raise ValueError(f"--data {source!r} holds no problems")
     return benchmarks
-
-
-def longest_prompt(tokenizer, problems, agent_cfg) -> int:
-    """Tokens of the longest prompt: the engine's context must hold it plus the response budget."""
-    from tirl.agent.protocol import build_prompt_ids
-
-    return max((len(build_prompt_ids(tokenizer, p.problem, agent_cfg)) for p in problems), default=0)
-
-
-def check_context(tokenizer, problems, agent_cfg, max_model_len: int, where: str) -> int:
-    """Fail before the first rollout when a prompt does not fit the engine's context (it would fail
-    every rollout of that problem); returns the longest prompt's length. Tokenizes the 64 longest
-    problem texts only, so a large training set costs no time."""
-    from tirl.config import ConfigError
-
-    longest = sorted(problems, key=lambda p: len(p.problem), reverse=True)[:64]
-    prompt = longest_prompt(tokenizer, longest, agent_cfg)
-    if prompt >= max_model_len:
-        raise ConfigError(
-            f"{where}: a prompt of {prompt} tokens does not fit engine.max_model_len={max_model_len}; "
-            f"raise it to at least {prompt + agent_cfg.max_response_tokens} (prompt + max_response_tokens)"
-        )
-    return prompt
 
 
 def eval_cluster(backend: str, address: str | None, gpus_per_engine: float) -> ClusterConfig:
@@ -111,7 +89,7 @@ def run_eval(
     tokenizer=None,
 ) -> EvalReport:
     """Evaluate, write out/report.md, out/metrics.json, out/trajectories.jsonl; return the report."""
-    from tirl.engines.factory import load_tokenizer
+    from tirl.engines.tokenizer import load_tokenizer
 
     console = console or Console()
     tokenizer = tokenizer or load_tokenizer(engine_cfg.model)
@@ -132,9 +110,7 @@ def run_eval(
         async with open_runtime(
             cluster or ClusterConfig(), engine_cfg, sandbox, reward_cfg or RewardConfig(), tokenizer
         ) as rt:
-            report = await evaluate(
-                rt.pool, rt.tokenizer, rt.executor, benchmarks, cfg, rt.scorer, finished=finished
-            )
+            report = await evaluate(rt, benchmarks, cfg, finished=finished)
             report.config["runtime"] = {
                 "backend": rt.backend,
                 **rt.engine_metrics(),

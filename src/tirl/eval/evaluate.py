@@ -17,53 +17,42 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from tirl.agent.loop import rollout
 from tirl.agent.trajectory import Trajectory
 from tirl.data.problem import Problem
 from tirl.eval.config import EvalConfig
 from tirl.eval.metrics import ProblemResult, benchmark_metrics, cluster_answers, majority_vote
 from tirl.eval.report import BenchmarkResult, EvalReport
 from tirl.reward import extract_answer
-from tirl.reward.pool import UNSCORED_FINISH
-from tirl.runtime.base import Scorer
+from tirl.runtime.base import Runtime, Scorer, generate_scored
 
 
 async def evaluate(
-    pool,
-    tokenizer,
-    executor,
+    rt: Runtime,
     problems: list[Problem] | dict[str, list[Problem]],
     cfg: EvalConfig,
-    reward_pool: Scorer,
     *,
     progress: bool = True,
     finished: list[Trajectory] | None = None,
 ) -> EvalReport:
-    """Evaluate on one problem list or several named benchmarks (all rolled out together).
-    `finished` (if given) receives each trajectory as it ends, so an interrupted run keeps them."""
+    """Evaluate on one problem list or several named benchmarks (all rolled out together) with the
+    runtime's engines, sandbox and scorer. `finished` (if given) receives each trajectory as soon as it
+    is scored, so an interrupted run keeps them."""
     benchmarks = problems if isinstance(problems, dict) else {"eval": list(problems)}
     flat = _with_unique_ids(benchmarks)
-    references = {p.id: p.answer for p in flat}
     started = time.perf_counter()
-    scores: dict[tuple[str, int], asyncio.Task[float]] = {}
 
     with _RunningAccuracy(len(flat) * cfg.samples, enabled=progress) as bar:
 
-        def on_done(traj: Trajectory) -> None:
+        def on_scored(traj: Trajectory) -> None:
             if finished is not None:
                 finished.append(traj)
-            task = asyncio.ensure_future(reward_pool.score_trajectory(traj, references[traj.problem_id]))
-            task.add_done_callback(bar.scored)
-            scores[traj.problem_id, traj.sample_index] = task
+            bar.scored(traj.reward)
 
-        groups = await rollout(
-            pool, tokenizer, executor, flat, cfg.samples, cfg.agent_config(),
-            seed=cfg.seed, concurrency=cfg.concurrency, on_done=on_done,
-        )  # fmt: skip
-        for group in groups:
-            for traj in group:
-                traj.reward = await scores[traj.problem_id, traj.sample_index]
+        groups = await generate_scored(
+            rt, flat, cfg.samples, cfg.agent_config(), cfg.seed, cfg.concurrency, on_scored=on_scored
+        )
 
+    reward_pool = rt.scorer
     results = await asyncio.gather(
         *(_problem_result(p, g, reward_pool) for p, g in zip(flat, groups, strict=True))
     )
@@ -83,7 +72,7 @@ async def evaluate(
 
 
 async def _problem_result(problem: Problem, group: list[Trajectory], reward_pool: Scorer) -> ProblemResult:
-    answers = [None if t.finish_reason in UNSCORED_FINISH else extract_answer(t.response_text) for t in group]
+    answers = [extract_answer(t.response_text) if t.scored else None for t in group]
     labels = await cluster_answers(answers, reward_pool.equivalent)
     return ProblemResult(
         problem_id=problem.id,
@@ -133,11 +122,9 @@ class _RunningAccuracy:
     def __exit__(self, *exc) -> None:
         self.progress.stop()
 
-    def scored(self, task: asyncio.Task[float]) -> None:
-        if task.cancelled() or task.exception() is not None:
-            return
+    def scored(self, reward: float) -> None:
         self.done += 1
-        self.correct += task.result() > 0
+        self.correct += reward > 0
         if self.lines and (self.done * 10 // self.total > (self.done - 1) * 10 // self.total):
             print(
                 f"eval: {self.done}/{self.total} trajectories, pass@1 so far {100 * self.correct / self.done:.1f}%, "

@@ -25,7 +25,6 @@ from tirl.reward.extract import extract_answer
 from tirl.reward.verify import quick_verdict
 
 SOFT_DEADLINE_FRACTION = 0.8  # the worker gives up itself at 80% of the hard timeout
-UNSCORED_FINISH = ("length", "error")  # trajectory finish reasons that keep reward 0
 
 
 class RewardConfig(BaseModel):
@@ -133,13 +132,6 @@ class RewardPool:
             self.stats.no_answer += 1
             return 0.0
         return float(await self.equivalent(answer, reference))
-
-    async def score_trajectory(self, trajectory, reference: str) -> float:
-        """Reward of an agent trajectory (tirl.agent.Trajectory): 0 when it was cut at the length budget
-        or failed (SPEC 2: truncated trajectories keep reward 0), else the reward of its response."""
-        if trajectory.finish_reason in UNSCORED_FINISH:
-            return 0.0
-        return await self.score(trajectory.response_text, reference)
 
     async def score_many(self, pairs: list[tuple[str, str]]) -> list[float]:
         """Rewards for (response, reference) pairs, in input order."""

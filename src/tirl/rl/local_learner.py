@@ -1,44 +1,20 @@
-"""The learner seam: where the policy's updates run, as seen from `rl_step`.
-
-`LocalLearner` is the policy in this process (one of the torchrun ranks under FSDP2: every rank
-calls the same methods in the same order). `tirl.runtime.ray_learner.RayLearner` drives one trainer worker
-actor per rank, each holding a `LocalLearner` of its own in a torch.distributed group; the driver
-keeps running `rl_step` top to bottom and calls them for log-probs, updates, sync and checkpoints.
-"""
+"""`LocalLearner`: the policy in this process (one of the torchrun ranks under FSDP2: every rank calls
+the same methods in the same order). Each Ray trainer worker (tirl.rl.ray_learner) holds one too."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from tirl.rl.distributed import DistInfo, full_model_state
+from tirl.distributed.groups import DistInfo, full_model_state
 from tirl.rl.policy import Policy, TrainSample
+from tirl.rl.update import grpo_update
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tirl.rl.config import AlgorithmConfig
     from tirl.runtime.base import Runtime
-
-
-class Learner(Protocol):
-    def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
-        """Old log-probs, GRPO updates (one per mini-batch), the LR schedule's step; the metrics."""
-        ...
-
-    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
-        """The engines of `runtime` sample from the updated policy from now on."""
-        ...
-
-    def reset_optimizer(self, total_steps: int) -> None: ...
-
-    def snapshot_reference(self) -> None: ...
-
-    def restore(self, saved: dict) -> None: ...
-
-    def save(
-        self, run_dir: Path, step: int, tokenizer: PreTrainedTokenizerBase | None, state: dict, keep_last: int
-    ) -> None: ...
 
 
 class LocalLearner:
@@ -53,8 +29,6 @@ class LocalLearner:
         return self.policy.info
 
     def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
-        from tirl.rl.trainer import grpo_update
-
         metrics = grpo_update(self.policy, samples, alg)
         self.policy.advance_schedule()
         return metrics | {"train/lr": self.policy.lr}

@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tirl.devices import resolve_dtype
-from tirl.rl.checkpoint import save_checkpoint, set_rng_states
-from tirl.rl.config import OptimConfig
-from tirl.rl.distributed import (
+from tirl.distributed.groups import (
     DistInfo,
     all_reduce,
     full_model_state,
@@ -24,6 +22,8 @@ from tirl.rl.distributed import (
     load_full_optimizer_state,
     shard_model,
 )
+from tirl.rl.checkpoint import save_checkpoint, set_rng_states
+from tirl.rl.config import OptimConfig
 from tirl.rl.losses import PolicyInputs, entropy_from_logits
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.rl.weight_sync import SyncGroup, free_port, send_weights
+from tirl.distributed.weight_sync import SyncGroup, free_port, send_weights
 from tirl.runtime.base import Runtime
 from tirl.runtime.ray import RemoteEngine
 from tirl.runtime.ray_cluster import ClusterError, Placement, connect, node_ip, whereabouts
@@ -36,8 +36,8 @@ class TrainerWorker:
     def setup(
         self, rank: int, world: int, master: tuple[str, int], model_path: str, optim, total_steps: int
     ) -> None:
-        from tirl.rl.distributed import init_distributed
-        from tirl.rl.learner import LocalLearner
+        from tirl.distributed.groups import init_distributed
+        from tirl.rl.local_learner import LocalLearner
         from tirl.rl.policy import Policy
 
         os.environ.update(

@@ -1,10 +1,8 @@
-"""Deterministic, resumable prompt sampling and the seeds that make rollouts reproducible."""
+"""Deterministic, resumable prompt sampling (the seeds that make rollouts reproducible: tirl.seeds)."""
 
 from __future__ import annotations
 
 import numpy as np
-
-from tirl.seeds import derive_seed  # noqa: F401  (kept importable from here for older callers)
 
 
 class EpochSampler:

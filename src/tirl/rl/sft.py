@@ -20,9 +20,9 @@ import numpy as np
 
 from tirl.config import ConfigError
 from tirl.data.loaders import DataError, read_jsonl
+from tirl.distributed.groups import all_reduce, init_distributed, shutdown_distributed
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
 from tirl.rl.config import SFTConfig
-from tirl.rl.distributed import all_reduce, init_distributed, shutdown_distributed
 from tirl.rl.losses import BatchCounts, token_mean
 from tirl.rl.metrics import MetricsLogger
 from tirl.rl.policy import Policy, TrainSample
@@ -115,7 +115,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path
     """Supervised fine-tuning; returns the run directory (checkpoints/step_N/model is an HF model)."""
     from rich.console import Console
 
-    from tirl.engines.factory import load_tokenizer
+    from tirl.engines.tokenizer import load_tokenizer
 
     info = init_distributed(cfg.optim.device)
     clean = False

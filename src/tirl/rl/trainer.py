@@ -20,37 +20,34 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
 
+from tirl.agent.protocol import check_context
 from tirl.config import ConfigError
+from tirl.distributed.groups import (
+    DistInfo,
+    broadcast_object,
+    init_distributed,
+    shutdown_distributed,
+)
 from tirl.engines.versions import EngineActivity, WeightVersions
-from tirl.eval.commands import check_context
 from tirl.rl import trajectory_sample
 from tirl.rl.advantages import resolve_advantage
 from tirl.rl.async_rollout import GroupProducer
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
 from tirl.rl.config import AlgorithmConfig, StageConfig, TrainConfig
-from tirl.rl.distributed import (
-    DistInfo,
-    all_reduce,
-    broadcast_object,
-    init_distributed,
-    shutdown_distributed,
-)
-from tirl.rl.learner import Learner, LocalLearner
-from tirl.rl.losses import BatchCounts, Diagnostics, Objective
+from tirl.rl.learner import Learner, open_learner
 from tirl.rl.metrics import AlertMonitor, MetricsLogger, Timer, reward_metrics, rollout_metrics
-from tirl.rl.policy import Policy, TrainSample
+from tirl.rl.policy import TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler
-from tirl.runtime import Runtime, open_runtime
+from tirl.runtime import Runtime, open_cluster_placement, open_runtime
 from tirl.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -70,34 +67,6 @@ def fault_point(phase: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-@contextmanager
-def open_cluster_placement(cfg: TrainConfig) -> Iterator[Placement | None]:
-    """backend=ray: the bundles of the engine actors and trainer workers, reserved together
-    (cluster.colocate: shared; tirl.runtime.ray_cluster). backend=local places nothing."""
-    if cfg.cluster.backend != "ray":
-        yield None
-        return
-    from tirl.runtime.ray_cluster import open_placement
-
-    with open_placement(cfg.cluster, cfg.engine.num_engines, cfg.cluster.trainer.ranks) as placement:
-        yield placement
-
-
-@asynccontextmanager
-async def open_learner(
-    cfg: TrainConfig, model_path: str, info: DistInfo, total_steps: int, placement: Placement | None
-) -> AsyncIterator[Learner]:
-    """The policy in this process (cluster.backend=local, one per torchrun rank), or one Ray trainer
-    worker per cluster.trainer.ranks in the placement's trainer slots (backend=ray)."""
-    if placement is not None:
-        from tirl.runtime.ray_learner import open_ray_learner
-
-        async with open_ray_learner(cfg, model_path, total_steps, placement) as learner:
-            yield learner
-    else:
-        yield LocalLearner(Policy(model_path, cfg.optim, info, total_steps))
-
-
 @asynccontextmanager
 async def open_main_runtime(
     cfg: TrainConfig, model_path: str, info: DistInfo, placement: Placement | None
@@ -114,7 +83,7 @@ async def open_main_runtime(
 def roc_select(group: list, alg: AlgorithmConfig, seed: int) -> list[int]:
     """RoC's kept indices into `group`. A trajectory an infrastructure error ended says nothing about
     the policy: it is never a candidate (but still counted by the metrics)."""
-    candidates = [i for i, t in enumerate(group) if t.finish_reason != "error"]
+    candidates = [i for i, t in enumerate(group) if not t.failed]
     chosen = resample_on_correct(
         [group[i] for i in candidates], alg.group_size, np.random.default_rng(seed), mode=alg.roc,
         min_per_class=alg.roc_min_per_class, drop_uniform=alg.drop_uniform_groups,
@@ -141,73 +110,6 @@ def build_samples(groups, kept: list[list[int]], advantage: str = "grpo") -> lis
                 )
             )
     return samples
-
-
-def shard_samples(samples: list[TrainSample], info: DistInfo) -> list[TrainSample]:
-    """This rank's share: round-robin over samples sorted by length (balanced token counts)."""
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
-    return [samples[i] for i in order[info.rank :: info.world_size]]
-
-
-def engine_gap(sample: TrainSample) -> float:
-    """Sum over trained tokens of |engine log-prob - trainer log-prob| (needs old_logprobs)."""
-    if sample.engine_logprobs is None or sample.old_logprobs is None:
-        return 0.0
-    mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
-    engine = torch.tensor(sample.engine_logprobs, dtype=torch.float32)
-    return float(((sample.old_logprobs - engine).abs() * mask).sum())
-
-
-def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig) -> dict:
-    """Recompute old log-probs, then one optimizer update per mini-batch on the configured objective
-    (tirl.rl.losses.Objective: policy loss, aggregation, KL, entropy), with its diagnostics.
-
-    `samples` is the whole step's batch (the same on every rank); each rank trains on its share of
-    every mini-batch, so the split into mini-batches does not depend on the number of ranks.
-    """
-    info = policy.info
-    objective = Objective.from_config(alg)
-    n_mini = alg.mini_batches
-    minis = [shard_samples(samples[m::n_mini], info) for m in range(n_mini)]
-    mine = [s for part in minis for s in part]
-    policy.compute_logprobs(mine, "old_logprobs")
-    if objective.needs_reference:
-        policy.compute_logprobs(mine, "ref_logprobs", reference=True)
-    diag = Diagnostics()
-    loss_sum, grad_norms = 0.0, []
-    for part in minis:
-        tokens, seqs = all_reduce([sum(s.num_trained for s in part), len(part)], info)
-        counts = BatchCounts(max(tokens, 1.0), max(seqs, 1.0), alg.loss_constant)
-
-        def loss_fn(mb, counts=counts):
-            ref = mb.stack("ref_logprobs") if objective.needs_reference else None
-            loss, d = objective(mb.policy_inputs(), counts, entropy=mb.entropy, ref_logprobs=ref)
-            diag.add(d)
-            return loss
-
-        loss_sum += policy.accumulate(part, loss_fn, with_entropy=True)
-        grad_norms.append(policy.step())
-    keys = sorted(diag.sums)
-    trained = sum(s.num_trained for s in mine)
-    gap = sum(engine_gap(s) for s in mine)
-    reduced = all_reduce([loss_sum, trained, gap, *(diag.sums[k] for k in keys)], info)
-    loss_sum, trained, gap = reduced[:3]
-    diag.sums = dict(zip(keys, reduced[3:], strict=True))
-    max_keys = sorted(diag.maxes)
-    diag.maxes = dict(
-        zip(max_keys, all_reduce([diag.maxes[k] for k in max_keys], info, op="max"), strict=True)
-    )
-    per_token = max(trained, 1.0)  # mini-batches partition the samples: each token is trained once
-    return diag.per_token(trained) | {
-        "train/loss": loss_sum / n_mini,
-        "train/grad_norm": float(np.mean(grad_norms)),
-        "train/trained_tokens": int(trained),
-        "train/sequences": len(samples),
-        # Mean |engine - trainer| log-prob of the sampled tokens: ~0 when weight sync works (numeric noise
-        # only); a gap that grows over steps means the engines sample from stale weights. The engine
-        # reports log-probs at the sampling temperature, so the gap is only ~0 at temperature 1.
-        "train/engine_logprob_gap": gap / per_token,
-    }
 
 
 @dataclass
@@ -380,7 +282,7 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
         logger.truncate_after(state.step)
         trajectory_sample.truncate_after(cfg.run_dir, state.step)
     try:
-        with open_cluster_placement(cfg) as placement:
+        with open_cluster_placement(cfg.cluster, cfg.engine.num_engines) as placement:
             async with (
                 open_learner(cfg, model_path, info, cfg.stages[state.stage].steps, placement) as learner,
                 open_main_runtime(cfg, model_path, info, placement) as runtime,

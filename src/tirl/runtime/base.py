@@ -12,8 +12,8 @@ hands back proxies with the same interfaces, so the callers never know which one
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+import asyncio
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,11 +29,7 @@ if TYPE_CHECKING:
     from tirl.agent.config import AgentConfig
     from tirl.agent.trajectory import Trajectory
     from tirl.data.problem import Problem
-    from tirl.engines.config import EngineConfig
-    from tirl.reward import RewardConfig, RewardStats
-    from tirl.runtime.config import ClusterConfig
-    from tirl.runtime.ray_cluster import Placement
-    from tirl.sandbox import SandboxConfig
+    from tirl.reward import RewardStats
 
 
 class Scorer(Protocol):
@@ -42,8 +38,6 @@ class Scorer(Protocol):
     stats: RewardStats
 
     async def score_many(self, pairs: list[tuple[str, str]]) -> list[float]: ...
-
-    async def score_trajectory(self, trajectory: Trajectory, reference: str) -> float: ...
 
     async def equivalent(self, answer: str, reference: str) -> bool: ...
 
@@ -88,30 +82,6 @@ class Runtime:
         return out
 
 
-@asynccontextmanager
-async def open_runtime(
-    cluster: ClusterConfig,
-    engine: EngineConfig,
-    sandbox: SandboxConfig,
-    reward: RewardConfig | None,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-    placement: Placement | None = None,
-) -> AsyncIterator[Runtime]:
-    """Engines serving `engine.model`, a sandbox, reward workers (none if `reward` is None); all
-    closed on exit, whatever happened. `placement` (backend=ray): the engine slots reserved with the
-    trainer's (tirl.runtime.ray_cluster.open_placement; cluster.colocate)."""
-    if cluster.backend == "ray":
-        from tirl.runtime.ray import open_ray_runtime
-
-        async with open_ray_runtime(cluster, engine, sandbox, reward, tokenizer, placement) as rt:
-            yield rt
-    else:
-        from tirl.runtime.local import open_local_runtime
-
-        async with open_local_runtime(cluster, engine, sandbox, reward, tokenizer) as rt:
-            yield rt
-
-
 async def generate(
     rt: Runtime,
     problems: list[Problem],
@@ -130,25 +100,51 @@ async def generate(
     )  # fmt: skip
 
 
-async def score(rt: Runtime, groups: list[list[Trajectory]], problems: list[Problem]) -> None:
-    """Set each trajectory's binary, answer-only reward. Truncated (over-length) trajectories keep
-    reward 0, as in the paper (overlong filtering hurt); so do ones an infrastructure error ended."""
-    from tirl.reward.pool import UNSCORED_FINISH
-
-    if rt.scorer is None:
-        raise RuntimeError("this runtime was opened without a reward config: it cannot score")
-    flat = [(t, p) for g, p in zip(groups, problems, strict=True) for t in g]
-    for t, _ in flat:
-        t.reward = 0.0
-    scored = [(t, p) for t, p in flat if t.finish_reason not in UNSCORED_FINISH]
-    rewards = await rt.scorer.score_many([(t.response_text, p.answer) for t, p in scored])
-    for (t, _), r in zip(scored, rewards, strict=True):
-        t.reward = float(r)
+async def score_trajectory(scorer: Scorer, trajectory: Trajectory, reference: str) -> float:
+    """One trajectory's binary, answer-only reward: 0 for one that is not scored (truncated at the length
+    budget, as in the paper, or ended by an infrastructure error: Trajectory.scored), else the verifier's."""
+    if not trajectory.scored:
+        return 0.0
+    [reward] = await scorer.score_many([(trajectory.response_text, reference)])
+    return float(reward)
 
 
 async def generate_scored(
-    rt: Runtime, problems: list[Problem], n: int, agent_cfg: AgentConfig, seed: int, concurrency: int
+    rt: Runtime,
+    problems: list[Problem],
+    n: int,
+    agent_cfg: AgentConfig,
+    seed: int,
+    concurrency: int,
+    on_scored: Callable[[Trajectory], None] | None = None,
 ) -> list[list[Trajectory]]:
-    groups = await generate(rt, problems, n, agent_cfg, seed, concurrency)
-    await score(rt, groups, problems)
+    """The one roll-out-then-score path (eval, the hard-problem filter; training streams the same two
+    calls per trajectory, tirl.rl.async_rollout): n trajectories per problem, each scored the moment it
+    ends, so verification overlaps the rollouts still running. `on_scored` sees each one with its reward."""
+    if rt.scorer is None:
+        raise RuntimeError("this runtime was opened without a reward config: it cannot score")
+    references = {p.id: p.answer for p in problems}
+    if len(references) != len(problems):
+        raise ValueError("generate_scored needs unique problem ids: trajectories are matched by them")
+    pending: list[asyncio.Task[None]] = []
+
+    async def finish(trajectory: Trajectory) -> None:
+        trajectory.reward = await score_trajectory(rt.scorer, trajectory, references[trajectory.problem_id])
+        if on_scored is not None:
+            on_scored(trajectory)
+
+    try:
+        groups = await generate(
+            rt,
+            problems,
+            n,
+            agent_cfg,
+            seed,
+            concurrency,
+            on_done=lambda t: pending.append(asyncio.ensure_future(finish(t))),
+        )
+        await asyncio.gather(*pending)
+    finally:
+        for task in pending:
+            task.cancel()
     return groups

@@ -27,7 +27,8 @@ async def open_local_runtime(
     reward: RewardConfig | None,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> AsyncIterator[Runtime]:
-    from tirl.engines.factory import build_engines, build_pool, load_tokenizer
+    from tirl.engines.factory import build_engines, build_pool
+    from tirl.engines.tokenizer import load_tokenizer
     from tirl.reward import RewardPool
     from tirl.sandbox import open_executor
 

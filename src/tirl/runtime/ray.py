@@ -1,15 +1,15 @@
 """The `ray` runtime: engines, sandboxes and reward workers placed across nodes (the trainer ranks:
-tirl.runtime.ray_learner; where each actor goes: tirl.runtime.ray_cluster).
+tirl.rl.ray_learner; where each actor goes: tirl.runtime.ray_cluster).
 
     driver (tirl train: rl_step top to bottom)
       ├─ EngineWorker actors (their placement slots: engine i on any node, or sharing trainer rank i's
       │    bundle with cluster.colocate) <- RemoteEngine proxies behind the KV-aware RolloutScheduler;
       │    generate() is an awaited remote call
-      ├─ TrainerWorker actors, one per rank, one torch.distributed group (tirl.runtime.ray_learner)
+      ├─ TrainerWorker actors, one per rank, one torch.distributed group (tirl.rl.ray_learner)
       ├─ SandboxNode actor per node: starts, health-checks, restarts `tirl sandbox serve`;
       │    the SandboxClient balances over their endpoints (and retries elsewhere)
       └─ RewardWorker actor: the math-verify process pool, off the driver
-    weight sync: trainer rank 0 + every engine join a sync group per step (tirl.rl.weight_sync)
+    weight sync: trainer rank 0 + every engine join a sync group per step (tirl.distributed.weight_sync)
 
 Faults: an engine actor that dies mid-rollout is marked down and the turns it was running (and any
 later ones of its trajectories) are re-run on live engines with the same prompt tokens and seed, so
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tirl.distributed.weight_sync import SyncGroup, free_port, receive_into
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
-from tirl.rl.weight_sync import SyncGroup, free_port, receive_into
 from tirl.runtime.base import Runtime
 from tirl.runtime.config import ClusterConfig
 from tirl.runtime.ray_cluster import (
@@ -55,7 +55,6 @@ from tirl.runtime.ray_cluster import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tirl.agent.trajectory import Trajectory
     from tirl.engines.config import EngineConfig
     from tirl.reward import RewardConfig, RewardStats
     from tirl.sandbox import SandboxConfig
@@ -380,13 +379,6 @@ class RemoteScorer:
     async def score_many(self, pairs: list[tuple[str, str]]) -> list[float]:
         return await self.actor.score_many.remote(pairs)
 
-    async def score_trajectory(self, trajectory: Trajectory, reference: str) -> float:
-        from tirl.reward.pool import UNSCORED_FINISH
-
-        if trajectory.finish_reason in UNSCORED_FINISH:
-            return 0.0
-        return await self.actor.score.remote(trajectory.response_text, reference)
-
     async def equivalent(self, answer: str, reference: str) -> bool:
         return await self.actor.equivalent.remote(answer, reference)
 
@@ -411,7 +403,8 @@ async def open_ray_runtime(
 ) -> AsyncIterator[Runtime]:
     """Engine actors in `placement`'s engine slots (a placement of their own when None: eval, chat,
     filter-hard), a sandbox service per node, the reward actor; all gone on exit."""
-    from tirl.engines.factory import build_pool, load_tokenizer
+    from tirl.engines.factory import build_pool
+    from tirl.engines.tokenizer import load_tokenizer
     from tirl.sandbox import open_executor
 
     ray = connect(cluster)

@@ -9,7 +9,7 @@ A colocated bundle holds the devices (GPUs, custom resources) once and the CPUs 
 actor takes half of the shared amounts, so Ray gives engine i and rank i the same GPU (OpenRLHF's
 colocation by fractional GPUs; verl's hybrid engine runs both in one process instead). The engines then
 release their memory while the trainer runs (Runtime.sleep) where their backend can; the weight sync
-goes over gloo then, since NCCL refuses two members of one group on one GPU (tirl.runtime.ray_learner).
+goes over gloo then, since NCCL refuses two members of one group on one GPU (tirl.rl.ray_learner).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, cast
 
-from tirl.sandbox import cell, framing, isolation, linux
+from tirl import linux
+from tirl.sandbox import cell, framing, isolation
 from tirl.sandbox.isolation import MiB
 
 if TYPE_CHECKING:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tirl.sandbox import linux, seccomp_filter
+from tirl import linux
+from tirl.sandbox import seccomp_filter
 from tirl.sandbox.cgroups import SlotCgroup
 
 if TYPE_CHECKING:

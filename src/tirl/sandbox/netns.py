@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 _HELPER = (
-    "import sys\nfrom tirl.sandbox import linux\nlinux.unshare(linux.CLONE_NEWNET)\n"
+    "import sys\nfrom tirl import linux\nlinux.unshare(linux.CLONE_NEWNET)\n"
     "print('ready', flush=True)\nsys.stdin.read()\n"
 )
 

@@ -10,7 +10,7 @@ import errno
 import os
 import socket
 
-from tirl.sandbox import linux
+from tirl import linux
 
 DENIED_SYSCALLS = (
     # debugging / reading other processes

@@ -30,7 +30,8 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tirl.sandbox import capture, cell, forkserver, framing, isolation, linux
+from tirl import linux
+from tirl.sandbox import capture, cell, forkserver, framing, isolation
 from tirl.sandbox.isolation import MiB
 from tirl.sandbox.result import ExecResult, Status, human_bytes
 

@@ -1,0 +1,62 @@
+"""The learner seam: where the policy's updates run, as seen from `rl_step`, and the one place that
+opens one (`open_learner`), so the trainer names no backend.
+
+`LocalLearner` (tirl.rl.local_learner) is the policy in this process (one per torchrun rank).
+`RayLearner` (tirl.rl.ray_learner) drives one trainer worker actor per rank, each holding a
+`LocalLearner` of its own in a torch.distributed group; the driver keeps running `rl_step` top to
+bottom and calls them for log-probs, updates, sync and checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tirl.distributed.groups import DistInfo
+    from tirl.rl.config import AlgorithmConfig, TrainConfig
+    from tirl.rl.policy import TrainSample
+    from tirl.runtime.base import Runtime
+    from tirl.runtime.ray_cluster import Placement
+
+
+class Learner(Protocol):
+    def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
+        """Old log-probs, GRPO updates (one per mini-batch), the LR schedule's step; the metrics."""
+        ...
+
+    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
+        """The engines of `runtime` sample from the updated policy from now on."""
+        ...
+
+    def reset_optimizer(self, total_steps: int) -> None: ...
+
+    def snapshot_reference(self) -> None: ...
+
+    def restore(self, saved: dict) -> None: ...
+
+    def save(
+        self, run_dir: Path, step: int, tokenizer: PreTrainedTokenizerBase | None, state: dict, keep_last: int
+    ) -> None: ...
+
+
+@asynccontextmanager
+async def open_learner(
+    cfg: TrainConfig, model_path: str, info: DistInfo, total_steps: int, placement: Placement | None
+) -> AsyncIterator[Learner]:
+    """The policy in this process (no placement: cluster.backend=local, one per torchrun rank), or one
+    Ray trainer worker per cluster.trainer.ranks in the placement's trainer slots (backend=ray)."""
+    if placement is not None:
+        from tirl.rl.ray_learner import open_ray_learner
+
+        async with open_ray_learner(cfg, model_path, total_steps, placement) as learner:
+            yield learner
+    else:
+        from tirl.rl.local_learner import LocalLearner
+        from tirl.rl.policy import Policy
+
+        yield LocalLearner(Policy(model_path, cfg.optim, info, total_steps))
