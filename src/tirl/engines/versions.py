@@ -14,6 +14,12 @@ rollouts. Departure: such a turn records the version it STARTED with for all its
 bound on the truth (the engines cannot say which token came after the swap), so the staleness
 bound is conservative (a group may be counted staler than it is, never fresher); the engine's
 sampling log-probs that TIS weighs against are the true behaviour policy either way.
+
+A rollout group's staleness has one definition, `VersionSpan`: the versions its turns started with,
+recorded as each turn starts (so a group still in flight already has one) and equal to the minimum of
+its trajectories' per-token versions once it is done. `WeightVersions.hold_syncs` lets the exact
+staleness mode (tirl.rl.async_rollout) make a sync wait until no admitted group is generating, so that
+no turn ever straddles a sync there.
 """
 
 from __future__ import annotations
@@ -21,12 +27,31 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from tirl.engines.base import Engine, EnginePool, Generation, SamplingParams
+
+
+@dataclass
+class VersionSpan:
+    """The policy versions the turns of one rollout group started with (None: no turn started yet)."""
+
+    oldest: int | None = None
+    newest: int | None = None
+
+    def record(self, version: int) -> None:
+        self.oldest = version if self.oldest is None else min(self.oldest, version)
+        self.newest = version if self.newest is None else max(self.newest, version)
+
+    def behind(self, version: int) -> int:
+        """How many versions the oldest turn is behind `version` (0 before any turn started)."""
+        return 0 if self.oldest is None else version - self.oldest
+
+
+SyncBarrier = Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -46,6 +71,11 @@ class WeightVersions:
         self._busy_since: float | None = None
         self._tokens = 0
         self._sync = asyncio.Lock()
+        self._barrier: SyncBarrier | None = None
+
+    def hold_syncs(self, barrier: SyncBarrier | None) -> None:
+        """Every sync first awaits `barrier` (None: syncs land at once, mid-generation if need be)."""
+        self._barrier = barrier
 
     @asynccontextmanager
     async def generating(self) -> AsyncIterator[int]:
@@ -66,6 +96,8 @@ class WeightVersions:
         """Around loading the weights of `version` into the engines (one sync at a time): turns that start
         after it record `version`; a failed sync leaves the engines' version as it was."""
         async with self._sync:
+            if self._barrier is not None:
+                await self._barrier()
             yield
             self.version = version
 
@@ -81,15 +113,15 @@ class WeightVersions:
 class _VersionedEngine:
     """The leased engine, every generation stamped with the version it started with."""
 
-    def __init__(self, engine: Engine, versions: WeightVersions, on_version: Callable[[int], None] | None):
+    def __init__(self, engine: Engine, versions: WeightVersions, span: VersionSpan | None):
         self._engine = engine
         self._versions = versions
-        self._on_version = on_version
+        self._span = span
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         async with self._versions.generating() as version:
-            if self._on_version is not None:
-                self._on_version(version)
+            if self._span is not None:
+                self._span.record(version)
             generation = await self._engine.generate(prompt_ids, params)
         self._versions.generated(len(generation.token_ids))
         return dataclasses.replace(generation, version=version)
@@ -99,21 +131,15 @@ class _VersionedEngine:
 
 
 class VersionedPool:
-    """An EnginePool whose engines generate through the gate of `versions`. `on_version(group, v)` is told
-    the version of every turn as it starts (the producer tracks each group's oldest token with it)."""
+    """An EnginePool whose engines generate through the gate of `versions`; every turn's start version is
+    recorded in `span` (one pool per rollout group: the producer reads the group's staleness from it)."""
 
-    def __init__(
-        self,
-        pool: EnginePool,
-        versions: WeightVersions,
-        on_version: Callable[[str, int], None] | None = None,
-    ):
+    def __init__(self, pool: EnginePool, versions: WeightVersions, span: VersionSpan | None = None):
         self.pool = pool
         self.versions = versions
-        self._on_version = on_version
+        self.span = span
 
     @asynccontextmanager
     async def lease(self, group: str, max_tokens: int) -> AsyncIterator[Engine]:
-        report = None if self._on_version is None else (lambda v: self._on_version(group, v))
         async with self.pool.lease(group, max_tokens) as engine:
-            yield _VersionedEngine(engine, self.versions, report)
+            yield _VersionedEngine(engine, self.versions, self.span)

@@ -20,6 +20,14 @@
   problem costs at most one wasted attempt and one wait, and is never silently skipped; the bias
   towards fast (short, often easy) groups is bounded by that one retry.
 
+Exact staleness (`exact=True`, `algorithm.staleness_mode: exact`), for tests and studies: step t trains
+on the groups of batch t (draws t*P .. t*P + P - 1, in draw order, never the first complete), generated
+entirely by policy version max(t - k, 0) of the stage. Admission is the same (k + 1 batches ahead),
+but a weight sync first waits until every admitted group is done (`WeightVersions.hold_syncs`), so no
+turn straddles a sync and nothing is ever dropped: the same staleness pattern in every run, so one seed
+reproduces one curve. The price: the engines idle from the end of the batch ahead until the sync (the
+bounded mode generates through it).
+
 Seeds: draw number d of a stage (its admission counter) belongs to batch b = d // P, slot i = d % P;
 trajectory j is seeded by (seed, first_step + b, i, j) and RoC by (seed, first_step + b, i), exactly
 the synchronous trainer's (seed, step, i, j) when nothing is re-queued.
@@ -43,9 +51,9 @@ from tirl.agent.config import AgentConfig
 from tirl.agent.loop import run_trajectory
 from tirl.agent.trajectory import Trajectory
 from tirl.data.problem import Problem
-from tirl.engines.versions import VersionedPool, WeightVersions
+from tirl.engines.versions import VersionedPool, VersionSpan, WeightVersions
 from tirl.rl.sampler import EpochSampler
-from tirl.runtime.base import Runtime
+from tirl.runtime.base import Runtime, score_trajectory
 from tirl.seeds import derive_seed
 
 Selector = Callable[[list[Trajectory], int], list[int]]  # (group, seed) -> kept indices (RoC)
@@ -62,7 +70,7 @@ class Draw:
 class _Group:
     draw: Draw
     task: asyncio.Task | None = None
-    oldest: int | None = None  # the oldest version any member started a turn with
+    span: VersionSpan = field(default_factory=VersionSpan)  # the versions its members' turns started with
     trajectories: list[Trajectory] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     done: bool = False
@@ -103,6 +111,7 @@ class GroupProducer:
         steps: int,
         steps_done: int = 0,
         concurrency: int = 256,
+        exact: bool = False,
         on_trajectory: Callable[[Trajectory], None] | None = None,
         state: dict | None = None,
     ):
@@ -110,7 +119,7 @@ class GroupProducer:
         self.agent, self.select, self.on_trajectory = agent, select, on_trajectory
         self.P, self.n, self.k = prompts_per_step, rollouts_per_prompt, max_staleness
         self.seed, self.first_step, self.steps, self.steps_done = seed, first_step, steps, steps_done
-        self._pool = VersionedPool(runtime.pool, versions, self._on_version)
+        self.exact = exact
         self._gate = asyncio.Semaphore(concurrency)
         self._groups: dict[int, _Group] = {}  # admitted, not yet taken, by draw index (admission order)
         self._queue: deque[Draw] = deque()  # waiting for room: re-queued prompts (and resumed draws)
@@ -122,6 +131,8 @@ class GroupProducer:
         if state is not None:
             self._next_index = state["next_index"]
             self._queue.extend(Draw(*d) for d in state["pending"])
+        if exact:
+            versions.hold_syncs(self.all_done)
         self.fill()
 
     # --- admission --------------------------------------------------------------------------------
@@ -155,8 +166,9 @@ class GroupProducer:
         problem = self.problems[group.draw.problem]
         step, slot = self._seeds(group.draw)
         rollout_seed = derive_seed(self.seed, step)
+        pool = VersionedPool(self.rt.pool, self.versions, group.span)
         members = [
-            self._one(problem, group.draw, j, derive_seed(rollout_seed, slot, j)) for j in range(self.n)
+            self._one(pool, problem, group.draw, j, derive_seed(rollout_seed, slot, j)) for j in range(self.n)
         ]
         group.trajectories = list(await asyncio.gather(*members))
         group.kept = self.select(group.trajectories, derive_seed(self.seed, step, slot))
@@ -164,29 +176,24 @@ class GroupProducer:
         self._completed += 1
         self._changed.set()
 
-    async def _one(self, problem: Problem, draw: Draw, j: int, seed: int) -> Trajectory:
+    async def _one(self, pool: VersionedPool, problem: Problem, draw: Draw, j: int, seed: int) -> Trajectory:
         async with self._gate:
             traj = await run_trajectory(
-                self._pool, self.rt.tokenizer, self.rt.executor, problem, self.agent,
+                pool, self.rt.tokenizer, self.rt.executor, problem, self.agent,
                 group=f"{problem.id}#{draw.index}", sample_index=j, seed=seed,
             )  # fmt: skip
         if self.on_trajectory is not None:
             self.on_trajectory(traj)
-        traj.reward = await self.rt.scorer.score_trajectory(traj, problem.answer)
+        traj.reward = await score_trajectory(self.rt.scorer, traj, problem.answer)
         return traj
-
-    def _on_version(self, lease_group: str, version: int) -> None:
-        group = self._groups.get(int(lease_group.rsplit("#", 1)[1]))
-        if group is not None and (group.oldest is None or version < group.oldest):
-            group.oldest = version
 
     # --- steps ------------------------------------------------------------------------------------
     def _drop_stale(self, version: int) -> None:
-        """Drop the first attempts whose oldest token is more than k versions behind; re-queue them."""
-        stale = [
-            g for g in self._groups.values()
-            if not g.draw.retry and g.oldest is not None and version - g.oldest > self.k
-        ]  # fmt: skip
+        """Drop the first attempts whose oldest token is more than k versions behind; re-queue them.
+        (In the exact mode no group can be: each is generated by one version, k steps before its own.)"""
+        if self.exact:  # a drop would re-queue a draw into a later batch: the pattern would not be exact
+            return
+        stale = [g for g in self._groups.values() if not g.draw.retry and g.span.behind(version) > self.k]
         for g in stale:
             del self._groups[g.draw.index]
             g.task.cancel()
@@ -200,16 +207,37 @@ class GroupProducer:
 
     def _choose(self, version: int) -> list[_Group] | None:
         """P groups (retries about to go stale first, then first complete first), or None to wait."""
+        if self.exact:
+            return self._choose_batch()
         due = [
             g
             for g in self._groups.values()
-            if g.draw.retry and g.oldest is not None and version - g.oldest >= self.k
+            if g.draw.retry and g.span.oldest is not None and g.span.behind(version) >= self.k
         ]
         if not all(g.done for g in due):
             return None
         rest = sorted((g for g in self._groups.values() if g.done and g not in due), key=lambda g: g.done_at)
         chosen = due + rest[: max(0, self.P - len(due))]
         return chosen if len(chosen) >= self.P else None
+
+    def _choose_batch(self) -> list[_Group] | None:
+        """The exact mode's next batch: the P draws of this step's batch, once all are complete."""
+        first = self.steps_done * self.P  # draw indices and steps_done count from the stage's start
+        batch = [g for i, g in self._groups.items() if first <= i < first + self.P]
+        if len(batch) < self.P:
+            missing = self.P - len(batch)
+            raise RuntimeError(
+                f"exact staleness: {missing} group(s) of batch {self.steps_done} were never admitted"
+            )
+        return batch if all(g.done for g in batch) else None
+
+    async def all_done(self) -> None:
+        """Wait until no admitted group is generating (the exact mode's sync barrier)."""
+        while not all(g.done for g in self._groups.values()):
+            self._raise_failed()
+            self._changed.clear()
+            await self._changed.wait()
+        self._raise_failed()
 
     async def take(self, version: int) -> StepGroups:
         """The next step's groups for a trainer at policy `version` (waits until they are complete)."""
@@ -235,13 +263,17 @@ class GroupProducer:
         )
 
     def _metrics(self, chosen: list[_Group], version: int) -> dict[str, Any]:
-        ages = [version - (g.oldest if g.oldest is not None else version) for g in chosen]
+        ages = [g.span.behind(version) for g in chosen]
         out: dict[str, Any] = {
             f"async/staleness/{a}": ages.count(a) for a in sorted({*range(self.k + 1), *ages})
         }
         out["async/dropped_stale"], self._dropped = self._dropped, 0
         out["async/retries_trained"] = sum(g.draw.retry for g in chosen)
         out["async/groups_ahead"] = len(self._groups)  # admitted for later steps (in flight or done)
+        # The weights the step's tokens were sampled with: one version in the exact mode, by construction.
+        started = [g.span for g in chosen if g.span.oldest is not None]
+        out["async/behaviour_version_min"] = min((s.oldest for s in started), default=None)
+        out["async/behaviour_version_max"] = max((s.newest for s in started), default=None)
         return out
 
     def synced(self, version: int) -> None:
@@ -258,6 +290,8 @@ class GroupProducer:
         return {"pending": [[d.problem, d.index, d.retry] for d in pending], "next_index": self._next_index}
 
     async def close(self) -> None:
+        if self.exact:
+            self.versions.hold_syncs(None)
         tasks = [g.task for g in self._groups.values() if g.task is not None]
         for t in tasks:
             t.cancel()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from tirl.agent.config import AgentConfig
 from tirl.engines.config import EngineConfig
@@ -16,6 +17,27 @@ from tirl.sandbox import SandboxConfig
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# The truncation cap of the off-policy correction `algorithm.async` gets unless told otherwise (the
+# literature's, Yao et al. 2025; measured on the demo: tirl/docs/results-async.md).
+ASYNC_TIS_CAP = 2.0
+
+
+class UncorrectedAsyncWarning(UserWarning):
+    """algorithm.async with the off-policy correction explicitly turned off."""
+
+
+def uncorrected_async_message(k: int) -> str:
+    return (
+        f"algorithm.async=true with algorithm.tis_cap=null: NO off-policy correction. Tokens sampled by "
+        f"engine weights up to max_staleness={k} versions behind the trainer are trained as if the trainer's "
+        "current policy had sampled them (the clipped ratio's pi_old is the trainer's own recomputation), so "
+        "every update is biased; on the tiny demo (lr 3e-4) this took held-out accuracy from 60.9% to 0% in "
+        "30 steps. Drop the override to get the default truncated importance sampling "
+        f"(algorithm.tis_cap={ASYNC_TIS_CAP}), or set algorithm.async=false. Watch train/engine_logprob_gap, "
+        "finish/length and the alerts (logging.alert_action=stop ends the run on them)."
+    )
 
 
 class AlgorithmConfig(_Strict):
@@ -45,7 +67,9 @@ class AlgorithmConfig(_Strict):
     mini_batches: int = Field(1, ge=1)  # optimizer updates per RL step
     # Truncated importance sampling against the engine's sampling log-probs (tirl.rl.importance): each
     # trained token's loss is weighted by min(pi_old / pi_engine, tis_cap). None (the paper): off.
-    # The literature's cap is 2.0; use it with `async` or with engines whose numerics differ (bf16).
+    # Unset with `async` and max_staleness >= 1, it becomes ASYNC_TIS_CAP (2.0, the literature's cap);
+    # `tis_cap: null` (or "off") there opts out, with a warning. Also useful with engines whose numerics
+    # differ from the trainer's (bf16 vLLM on GPUs).
     tis_cap: float | None = Field(None, ge=1.0)
     # Asynchronous GRPO-RoC (tirl.rl.async_rollout): the engines keep generating the next steps' groups
     # while the trainer updates; a group whose oldest token is more than max_staleness policy versions
@@ -53,6 +77,36 @@ class AlgorithmConfig(_Strict):
     # on-policy steps; max_staleness is then ignored (0), and async with max_staleness=0 is the same step.
     async_: bool = Field(False, alias="async")
     max_staleness: int = Field(1, ge=0)
+    # bounded: a trained token is AT MOST max_staleness versions old (the first complete groups are taken,
+    # syncs land mid-generation): fastest, but timing decides the pattern. exact: step t trains on groups
+    # generated entirely by version t - k (max(t - k, 0) in a stage's first k steps): syncs wait for the
+    # groups ahead, so a seed reproduces the run's staleness pattern (tests, studies, replaying a collapse).
+    staleness_mode: Literal["bounded", "exact"] = "bounded"
+    _tis_defaulted: bool = PrivateAttr(False)  # tis_cap came from the async default, not from the user
+
+    @field_validator("tis_cap", mode="before")
+    @classmethod
+    def _tis_off(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and v.strip().lower() in ("off", "none", "null") else v
+
+    @model_validator(mode="after")
+    def _async_is_corrected(self) -> AlgorithmConfig:
+        """Async with staleness gets the off-policy correction unless the user set tis_cap (null: opt out)."""
+        if not self.async_ or self.max_staleness == 0:
+            return self  # k = 0 is the synchronous step exactly: nothing is off-policy
+        if "tis_cap" not in self.model_fields_set:
+            self.tis_cap = ASYNC_TIS_CAP
+            self._tis_defaulted = True
+        elif self.tis_cap is None:
+            warnings.warn(
+                uncorrected_async_message(self.max_staleness), UncorrectedAsyncWarning, stacklevel=2
+            )
+        return self
+
+    @property
+    def tis_defaulted(self) -> bool:
+        """Whether tis_cap is the async default (the user did not choose it)."""
+        return self._tis_defaulted
 
     @field_validator("advantage")
     @classmethod
@@ -77,6 +131,11 @@ class AlgorithmConfig(_Strict):
 
         resolve_aggregation(v)
         return v
+
+    @property
+    def exact_staleness(self) -> bool:
+        """Every step trains on one exact version (staleness_mode exact; trivially so when synchronous)."""
+        return self.async_ and self.staleness_mode == "exact"
 
     @property
     def staleness_bound(self) -> int:
@@ -127,6 +186,17 @@ class LoggingConfig(_Strict):
     alert_spike_factor: float = 2.0  # ... or jumps this many times above its running mean
     alert_sandbox_failure_rate: float = 0.05  # infra failures (sandbox_error) per tool call
     alert_min_calls: int = 20  # no alert on a step with fewer tool calls (ratios of a few calls are noise)
+    # Off-policy guard rails (what moved when async without correction collapsed: docs/results-async.md).
+    # Each alerts when the step's value exceeds it; None turns that one off.
+    alert_engine_logprob_gap: float | None = Field(0.05, gt=0)  # mean |engine - trainer| log-prob per token
+    alert_length_limit_share: float | None = Field(0.5, gt=0)  # share of rollouts cut by the length limit
+    alert_tis_truncated_frac: float | None = Field(0.05, gt=0)  # tokens whose TIS weight hit the cap
+    alert_ratio_max: float | None = Field(None, gt=1)  # largest per-token pi / pi_old (spiky: off)
+    alert_approx_kl: float | None = Field(0.1, gt=0)  # mean approx KL(pi_old || pi) per token of the update
+    # What an alert does: warn (printed, and listed under "alerts" in metrics.jsonl), or stop the run once
+    # alert_stop_after consecutive steps alerted, naming the newest checkpoint from before those steps.
+    alert_action: Literal["warn", "stop"] = "warn"
+    alert_stop_after: int = Field(2, ge=1)
     # Trajectories per RL step written to RUN/trajectories.jsonl for `tirl view` (kept and dropped, with
     # RoC's penalties and advantages; no token ids). 0 writes none.
     trajectories_per_step: int = Field(8, ge=0)
@@ -169,13 +239,25 @@ class TrainConfig(_Strict):
     def _tis_compares_like_with_like(self) -> TrainConfig:
         # The engine reports log-probs of its sampling distribution (tempered, nucleus-renormalized); the
         # trainer's are of the plain softmax: the TIS ratio is only an importance weight when they agree.
-        if self.algorithm.tis_cap is not None and (self.agent.temperature != 1.0 or self.agent.top_p != 1.0):
-            raise ValueError(
-                f"algorithm.tis_cap needs agent.temperature=1.0 and agent.top_p=1.0 (got "
-                f"{self.agent.temperature}, {self.agent.top_p}): the engine's log-probs would be of another "
-                "distribution than the trainer's; set them to 1.0 or turn tis_cap off"
-            )
-        return self
+        alg, agent = self.algorithm, self.agent
+        if alg.tis_cap is None or (agent.temperature == 1.0 and agent.top_p == 1.0):
+            return self
+        why = (
+            f"algorithm.async with max_staleness={alg.max_staleness} turns on the off-policy correction "
+            f"(truncated importance sampling, algorithm.tis_cap={alg.tis_cap}) by default, and it"
+            if alg.tis_defaulted
+            else f"algorithm.tis_cap={alg.tis_cap} (truncated importance sampling)"
+        )
+        raise ValueError(
+            f"{why} needs agent.temperature=1.0 and agent.top_p=1.0, got {agent.temperature} and "
+            f"{agent.top_p}. Its weight is pi_trainer(token) / pi_engine(token), and the engine reports the "
+            "log-prob of the distribution it sampled from (logits / temperature, renormalized over the top-p "
+            "nucleus) while the trainer computes the plain softmax: with any other temperature or top_p the "
+            "two are different distributions even with identical weights, and the weight measures that "
+            "difference instead of the policy's staleness. Set agent.temperature=1.0 and agent.top_p=1.0, "
+            "or turn the correction off with algorithm.tis_cap=null"
+            + (" (uncorrected async updates are biased: a warning says more)" if alg.async_ else "")
+        )
 
     @model_validator(mode="after")
     def _colocation_fits(self) -> TrainConfig:

@@ -12,9 +12,17 @@ training"; Espeholt et al. 2018 for the truncation) weights every trained token 
 where mu is the engine's sampling log-prob and C = `algorithm.tis_cap`. Truncation bounds the variance
 a token the engine found unlikely would otherwise add, at the price of a small bias.
 
-Departure from the paper: rStar2-Agent trains synchronously and has no correction; TIS is off by
-default (tis_cap=None) so the paper's recipe is unchanged. Turn it on (the literature uses C = 2) with
-`algorithm.async` or with engines whose numerics differ from the trainer's (bf16 vLLM on GPUs).
+Which log-probs: behaviour mu = the engine's log-prob of the token at the moment it sampled it (what the
+engines really held, even when a sync landed mid-turn); proximal pi_old = the trainer's recomputation
+before the step's first optimizer update, shared by all `mini_batches` of the step (so the weight is
+fixed over the step, and the clipped ratio pi / pi_old moves with each mini-batch). The weight is per
+token, truncated per token.
+
+Departure from the paper: rStar2-Agent trains synchronously and has no correction; TIS is off for
+synchronous training (tis_cap=None) so the paper's recipe is unchanged. With `algorithm.async` and
+max_staleness >= 1 it is ON by default (C = 2, the literature's; tirl.rl.config.ASYNC_TIS_CAP): without
+it the demo collapsed (docs/results-async.md); `algorithm.tis_cap=null` opts out, with a warning. Also
+turn it on with engines whose numerics differ from the trainer's (bf16 vLLM on GPUs).
 """
 
 from __future__ import annotations

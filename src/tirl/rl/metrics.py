@@ -40,7 +40,7 @@ def rollout_metrics(groups: Sequence[Sequence], kept: Sequence[Sequence[int]], n
     kept_t = [g[i] for g, k in zip(groups, kept, strict=True) for i in k]
     dropped = [
         t for g, k in zip(groups, kept, strict=True) for i, t in enumerate(g)
-        if i not in set(k) and t.finish_reason != "error"
+        if i not in set(k) and not t.failed
     ]  # fmt: skip
     correct = [t for t in every if is_positive(t)]
     calls = [c for t in every for c in t.tool_calls]
@@ -54,7 +54,7 @@ def rollout_metrics(groups: Sequence[Sequence], kept: Sequence[Sequence[int]], n
         "response/length_mean": _mean(t.response_length for t in every),
         "response/length_max": max((t.response_length for t in every), default=0),
         "response/turns_mean": _mean(t.turns for t in every),
-        "rollout/errors": sum(t.finish_reason == "error" for t in every),
+        "rollout/errors": sum(t.failed for t in every),
         "tools/calls": len(calls),
         "tools/calls_per_traj": _mean(t.num_tool_calls for t in every),
         "tools/error_ratio": tool_error_ratio(every),
@@ -114,21 +114,35 @@ class Timer:
         return {f"time/{k}_s": v for k, v in self.seconds.items()}
 
 
-class AlertMonitor:
-    """Flags a step whose tool error ratio or sandbox failure ratio spikes.
+class TrainingStopped(RuntimeError):
+    """logging.alert_action=stop ended the run (the message names the checkpoint to go back to)."""
 
-    A step with fewer than `alert_min_calls` tool calls raises no alert and does not enter the
+
+class AlertMonitor:
+    """Flags a step whose tool error ratio or sandbox failure ratio spikes, or whose off-policy signals
+    (engine log-prob gap, length-limit share, TIS truncation, ratio max, approx KL) pass their limits;
+    and counts consecutive alerting steps for `alert_action=stop`.
+
+    A step with fewer than `alert_min_calls` tool calls raises no tool alert and does not enter the
     running mean (the ratio of a few calls is noise); the spike test needs a running mean of at least
-    `_MIN_HISTORY` such steps.
+    `_MIN_HISTORY` such steps. The engine log-prob gap is only watched when `comparable_logprobs` (the
+    agent samples at temperature 1 and top_p 1): otherwise the engine's log-probs are of another
+    distribution and the gap is large by construction.
     """
 
     _MIN_HISTORY = 3
 
-    def __init__(self, cfg: LoggingConfig):
+    def __init__(self, cfg: LoggingConfig, comparable_logprobs: bool = True):
         self.cfg = cfg
+        self.comparable_logprobs = comparable_logprobs
         self.history: list[float] = []
+        self.streak_start: int | None = None  # first step of the current run of alerting steps
+        self.streak = 0
 
     def check(self, m: dict) -> list[str]:
+        return self._tool_alerts(m) + self._off_policy_alerts(m)
+
+    def _tool_alerts(self, m: dict) -> list[str]:
         if m.get("tools/calls", 0) < self.cfg.alert_min_calls:
             return []
         alerts = []
@@ -147,6 +161,66 @@ class AlertMonitor:
                 f"sandbox failure ratio {infra:.1%}: check the sandbox service (tirl sandbox serve)"
             )
         return alerts
+
+    def _off_policy_alerts(self, m: dict) -> list[str]:
+        """What moved when asynchronous training without correction collapsed (docs/results-async.md)."""
+        cfg, alerts = self.cfg, []
+
+        def over(key: str, limit: float | None) -> float | None:
+            value = m.get(key)
+            return value if limit is not None and value is not None and value > limit else None
+
+        if self.comparable_logprobs and (
+            gap := over("train/engine_logprob_gap", cfg.alert_engine_logprob_gap)
+        ):
+            alerts.append(
+                f"engine-trainer log-prob gap {gap:.3f} nats/token (limit {cfg.alert_engine_logprob_gap}): "
+                "the engines sampled from a policy far from the trainer's (stale weights, a failed sync, or a "
+                "policy moving fast)"
+            )
+        if (share := over("finish/length", cfg.alert_length_limit_share)) is not None:
+            alerts.append(
+                f"{share:.0%} of rollouts hit the length limit (limit {cfg.alert_length_limit_share:.0%})"
+            )
+        if (frac := over("train/tis_truncated_frac", cfg.alert_tis_truncated_frac)) is not None:
+            alerts.append(
+                f"TIS truncated {frac:.1%} of tokens (limit {cfg.alert_tis_truncated_frac:.1%}): the engines' "
+                "policy is far behind the trainer's"
+            )
+        if (ratio := over("train/ratio_max", cfg.alert_ratio_max)) is not None:
+            alerts.append(f"importance ratio max {ratio:.1f} (limit {cfg.alert_ratio_max})")
+        if (kl := over("train/approx_kl", cfg.alert_approx_kl)) is not None:
+            alerts.append(f"approx KL {kl:.3f} per token in one update (limit {cfg.alert_approx_kl})")
+        return alerts
+
+    def should_stop(self, step: int, alerts: list[str]) -> bool:
+        """Count consecutive alerting steps; True when `alert_action=stop` and there are enough of them."""
+        if not alerts:
+            self.streak_start, self.streak = None, 0
+            return False
+        if self.streak_start is None:
+            self.streak_start = step
+        self.streak += 1
+        return self.cfg.alert_action == "stop" and self.streak >= self.cfg.alert_stop_after
+
+
+def stop_message(run_dir: Path, step: int, first_alert_step: int, alerts: list[str]) -> str:
+    """Why the run stopped, and the newest checkpoint written before the alerting steps began."""
+    from tirl.rl.checkpoint import list_checkpoints
+
+    good = [path for n, path in list_checkpoints(run_dir) if n < first_alert_step]
+    where = (
+        f"the last good checkpoint is {good[-1]} (step {first_alert_step - 1} or earlier); start a new run "
+        f"from its model/ (model={good[-1] / 'model'}) with a smaller lr or an off-policy correction"
+        if good
+        else "no checkpoint was written before the alerts began (checkpoint.every is larger than the run so "
+        "far): restart from the initial model with a smaller lr or an off-policy correction"
+    )
+    steps = f"step {step}" if first_alert_step == step else f"steps {first_alert_step}-{step}"
+    return (
+        f"stopped by logging.alert_action=stop after alerts on {steps}: {'; '.join(alerts)}. {where}. "
+        "Set logging.alert_action=warn to only warn."
+    )
 
 
 class MetricsLogger:
