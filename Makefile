@@ -50,7 +50,7 @@ bench: install
 
 # Mutation testing of the spine (config: [tool.mutmut] in pyproject.toml). Not in CI: CPU-heavy, so
 # one module at a time and niced. MUTATE="tirl.rl.roc" narrows it; `mutmut show NAME` shows a survivor.
-MUTATE ?= tirl.rl.roc tirl.rl.grpo tirl.rl.trainer.x_build_samples tirl.rl.trainer.x_engine_gap \
+MUTATE ?= tirl.rl.roc tirl.rl.grpo tirl.rl.trainer.x_build_samples tirl.rl.update.x_engine_gap \
 	tirl.reward.extract tirl.engines.scheduler tirl.agent.loop
 mutate: install
 	$(PY) -m pip install -q "mutmut==3.8.1"
