@@ -64,3 +64,35 @@ def test_unwritable_output_is_found_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"--out .*cannot write there"):
         ensure_writable_dir(blocker / "eval", "--out")
     assert ensure_writable_dir(tmp_path / "x" / "y", "--out").is_dir()
+
+
+def test_a_number_in_an_override_indexes_a_list(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("model: m\nstages: [{steps: 1, data: x}, {steps: 2, data: y}]\n")
+    cfg = load_config(TrainConfig, path, ["stages.0.steps=3", "stages.-1.data=z", "stages.1.name=hard"])
+    assert [(s.steps, s.data, s.name) for s in cfg.stages] == [(3, "x", "stage"), (2, "z", "hard")]
+    cfg = load_config(TrainConfig, path, ["stages.1={steps: 7, data: w}"])
+    assert (cfg.stages[1].steps, cfg.stages[1].data) == (7, "w")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("stages.2.steps=3", r"stages\.2 does not exist \(stages has 1 entry, from 0\); .*set the whole list"),
+        ("stages.first.steps=3", r"stages is a list: index it by number \(0\.\.0\), not 'first'"),
+        ("stages.0.steps.x=3", r"stages\.0\.steps is a value \(1\), not a section or a list"),
+    ],
+)
+def test_a_bad_list_index_says_which_entries_exist(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, None, [*BASE, override])
+
+
+def test_bad_yaml_names_the_file_and_line_in_one_line(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("model: m\nstages:\n  - steps: 1\n   data: x\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(TrainConfig, path)
+    message = str(raised.value)
+    assert message.startswith(f"{path}:4:4: not valid YAML: ") and "\n" not in message, message
+    assert "<unicode string>" not in message

@@ -53,32 +53,79 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = parse_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}{_yaml_where(e)}: not valid YAML: {_yaml_problem(e)}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data
 
 
+def _yaml_where(e: yaml.YAMLError) -> str:
+    """`:LINE:COLUMN` (1-based, as editors count) of a YAML error, when PyYAML knows it."""
+    mark = getattr(e, "problem_mark", None)
+    return f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line, without PyYAML's "<unicode string>" marks (the caller names the file)."""
+    parts = [getattr(e, "context", None), getattr(e, "problem", None)]
+    text = "; ".join(p for p in parts if p)
+    return text or str(e).splitlines()[0]
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides; values are parsed as YAML scalars/lists (`lr=1e-6`, `xs=[1,2]`)."""
+    """Apply `a.b.c=value` overrides; values are parsed as YAML scalars/lists (`lr=1e-6`, `xs=[1,2]`).
+    A number indexes a list: `stages.0.steps=3` sets the first stage's steps."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like key.path=value")
         if not raw.strip():
             raise ConfigError(f"override {item!r} has no value: write {key.strip()}=VALUE")
-        node = data
-        *parents, leaf = key.strip().split(".")
-        for part in parents:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-            node = child
         try:
-            node[leaf] = parse_yaml(raw)
+            value = parse_yaml(raw)
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: cannot parse value: {e}") from e
+            raise ConfigError(f"override {item!r}: cannot parse value: {_yaml_problem(e)}") from e
+        *parents, leaf = key.strip().split(".")
+        node: Any = data
+        for depth, part in enumerate(parents):
+            node = _child(node, part, item, ".".join(parents[: depth + 1]))
+        _set(node, leaf, value, item, key.strip())
     return data
+
+
+def _index(node: list, part: str, item: str, path: str) -> int:
+    """The list position `part` names (0-based; -1 is the last), or a ConfigError saying which exist."""
+    try:
+        index = int(part)
+    except ValueError:
+        raise ConfigError(
+            f"override {item!r}: {path.rpartition('.')[0] or path} is a list: index it by number "
+            f"(0..{len(node) - 1}), not {part!r}"
+        ) from None
+    if not -len(node) <= index < len(node):
+        raise ConfigError(
+            f"override {item!r}: {path} does not exist ({path.rpartition('.')[0]} has {len(node)} "
+            f"entr{'y' if len(node) == 1 else 'ies'}, from 0); to change their number set the whole list"
+        )
+    return index
+
+
+def _child(node: Any, part: str, item: str, path: str) -> Any:
+    """The section or list entry `part` of `node`, creating missing sections (not list entries)."""
+    if isinstance(node, list):
+        node = node[_index(node, part, item, path)]
+    else:
+        node = node.setdefault(part, {})
+    if not isinstance(node, dict | list):
+        raise ConfigError(f"override {item!r}: {path} is a value ({node!r}), not a section or a list")
+    return node
+
+
+def _set(node: dict | list, leaf: str, value: Any, item: str, path: str) -> None:
+    if isinstance(node, list):
+        node[_index(node, leaf, item, path)] = value
+    else:
+        node[leaf] = value
 
 
 def _section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
