@@ -78,7 +78,10 @@ def test_a_number_in_an_override_indexes_a_list(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("stages.2.steps=3", r"stages\.2 does not exist \(stages has 1 entry, from 0\); .*set the whole list"),
+        (
+            "stages.2.steps=3",
+            r"stages\.2 does not exist \(stages has 1 entry, from 0\); .*set the whole list",
+        ),
         ("stages.first.steps=3", r"stages is a list: index it by number \(0\.\.0\), not 'first'"),
         ("stages.0.steps.x=3", r"stages\.0\.steps is a value \(1\), not a section or a list"),
     ],

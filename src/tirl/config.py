@@ -112,10 +112,7 @@ def _index(node: list, part: str, item: str, path: str) -> int:
 
 def _child(node: Any, part: str, item: str, path: str) -> Any:
     """The section or list entry `part` of `node`, creating missing sections (not list entries)."""
-    if isinstance(node, list):
-        node = node[_index(node, part, item, path)]
-    else:
-        node = node.setdefault(part, {})
+    node = node[_index(node, part, item, path)] if isinstance(node, list) else node.setdefault(part, {})
     if not isinstance(node, dict | list):
         raise ConfigError(f"override {item!r}: {path} is a value ({node!r}), not a section or a list")
     return node
