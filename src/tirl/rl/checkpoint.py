@@ -99,6 +99,36 @@ def saved_agent_settings(model_path: str | Path) -> tuple[AgentConfig, Path] | N
     return validate(AgentConfig, read_yaml(path), f" in {path}"), path
 
 
+# What the model sees of the agent settings: its prompt (system and user text, tools and their schemas,
+# template, prefills) and the shape of tool responses. Budgets and sampling may differ without harm.
+PROMPT_FIELDS = (
+    "system_prompt", "user_prompt", "tools", "tool_schema", "prefill", "continue_prefill",
+    "use_chat_template", "show_exec_time", "tool_output_max_chars", "stop_at_tool_call",
+)  # fmt: skip
+
+
+def agent_settings_warning(model_path: str | Path, agent: AgentConfig) -> str | None:
+    """A warning when `agent` changes what a tirl-trained model saw in training (its prompt, its tools):
+    a model follows the protocol it learned, so e.g. a tool it never saw raises its tool-error rate."""
+    saved = saved_agent_settings(model_path)
+    if saved is None:
+        return None
+    trained, path = saved
+    changed = [k for k in PROMPT_FIELDS if getattr(trained, k) != getattr(agent, k)]
+    if not changed:
+        return None
+    shown = ", ".join(f"{k}: {_short(getattr(trained, k))} -> {_short(getattr(agent, k))}" for k in changed)
+    return (
+        f"warning: these agent settings differ from the ones the model was trained with ({path}): {shown}; "
+        "the model's prompt changes and it may follow it badly (see docs/commands.md, agent settings)"
+    )
+
+
+def _short(value: object, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def load_trainer_state(ckpt: Path) -> dict:
     path = Path(ckpt) / "trainer_state.pt"
     if not path.is_file():
