@@ -141,6 +141,54 @@ def test_the_stop_message_names_the_last_good_checkpoint(tmp_path):
     _checkpoints(tmp_path, [5, 10, 16])  # step 16's checkpoint was written while the alerts went on
     text = stop_message(tmp_path, 17, 16, ["96% of rollouts hit the length limit (limit 50%)"])
     assert "after alerts on steps 16-17: 96% of rollouts hit the length limit" in text
-    assert f"the last good checkpoint is {tmp_path / 'checkpoints' / 'step_000010'}" in text
+    assert f"The last good checkpoint is {tmp_path / 'checkpoints' / 'step_000010'}" in text
     assert "logging.alert_action=warn" in text
-    assert "no checkpoint was written before the alerts" in stop_message(tmp_path, 3, 3, ["x"])
+    assert "No checkpoint was written before the alerts" in stop_message(tmp_path, 3, 3, ["x"])
+
+
+def test_the_trainer_reports_then_stops_with_the_message(tmp_path):
+    """The trainer's report: alerts printed and logged with the step; the second alerting step in a row
+    returns the stop message (the trainer raises TrainingStopped with it on every rank)."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from tirl.rl.metrics import MetricsLogger, read_metrics
+    from tirl.rl.trainer import TrainerState, _report
+
+    logging = LoggingConfig(tensorboard=False, alert_action="stop", alert_stop_after=2)
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(run_dir=tmp_path), state=TrainerState(), alerts=AlertMonitor(logging),
+        logger=MetricsLogger(tmp_path, logging),
+    )  # fmt: skip
+    _checkpoints(tmp_path, [10])
+    stage, console = SimpleNamespace(name="s", steps=30), Console(record=True, width=400)
+    row = {"reward/mean": 0.0, "response/length_mean": 384, "tools/calls_per_traj": 1.0,
+           "tools/error_ratio": 1.0, "train/loss": 0.1, "time/step_s": 1.0}  # fmt: skip
+    stops = []
+    for step, m in ((15, HEALTHY), (16, COLLAPSED), (17, COLLAPSED)):
+        run.state.step = run.state.stage_step = step
+        stops.append(_report(run, stage, {**row, **m}, console))
+    assert stops[:2] == [None, None] and "steps 16-17" in stops[2]
+    assert str(tmp_path / "checkpoints" / "step_000010") in stops[2]
+    logged = read_metrics(tmp_path)
+    assert [len(r.get("alerts", [])) for r in logged] == [0, 3, 3]
+    text = console.export_text()
+    assert "STOP:" in text and "ALERT step 16:" in text
+
+
+def test_the_run_says_which_correction_it_trains_with():
+    from rich.console import Console
+
+    from tirl.rl.trainer import _announce_correction
+
+    def said(algorithm: dict) -> str:
+        console = Console(record=True, width=400)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _announce_correction(TrainConfig(model="m", stages=STAGES, algorithm=algorithm), console)
+        return console.export_text()
+
+    assert "TIS with cap 2.0 (the async default; algorithm.tis_cap=null turns it off)" in said(ASYNC)
+    assert "WARNING: algorithm.async=true with algorithm.tis_cap=null" in said({**ASYNC, "tis_cap": None})
+    assert said({}) == ""

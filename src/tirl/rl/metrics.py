@@ -210,10 +210,10 @@ def stop_message(run_dir: Path, step: int, first_alert_step: int, alerts: list[s
 
     good = [path for n, path in list_checkpoints(run_dir) if n < first_alert_step]
     where = (
-        f"the last good checkpoint is {good[-1]} (step {first_alert_step - 1} or earlier); start a new run "
+        f"The last good checkpoint is {good[-1]} (step {first_alert_step - 1} or earlier); start a new run "
         f"from its model/ (model={good[-1] / 'model'}) with a smaller lr or an off-policy correction"
         if good
-        else "no checkpoint was written before the alerts began (checkpoint.every is larger than the run so "
+        else "No checkpoint was written before the alerts began (checkpoint.every is larger than the run so "
         "far): restart from the initial model with a smaller lr or an off-policy correction"
     )
     steps = f"step {step}" if first_alert_step == step else f"steps {first_alert_step}-{step}"

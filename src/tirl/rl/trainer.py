@@ -41,9 +41,17 @@ from tirl.rl import trajectory_sample
 from tirl.rl.advantages import resolve_advantage
 from tirl.rl.async_rollout import GroupProducer
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
-from tirl.rl.config import AlgorithmConfig, StageConfig, TrainConfig
+from tirl.rl.config import AlgorithmConfig, StageConfig, TrainConfig, uncorrected_async_message
 from tirl.rl.learner import Learner, open_learner
-from tirl.rl.metrics import AlertMonitor, MetricsLogger, Timer, reward_metrics, rollout_metrics
+from tirl.rl.metrics import (
+    AlertMonitor,
+    MetricsLogger,
+    Timer,
+    TrainingStopped,
+    reward_metrics,
+    rollout_metrics,
+    stop_message,
+)
 from tirl.rl.policy import TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler
@@ -287,7 +295,8 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
                 open_learner(cfg, model_path, info, cfg.stages[state.stage].steps, placement) as learner,
                 open_main_runtime(cfg, model_path, info, placement) as runtime,
             ):
-                run = Run(cfg, info, learner, runtime, state, logger, AlertMonitor(cfg.logging))
+                run = Run(cfg, info, learner, runtime, state, logger, _alert_monitor(cfg))
+                _announce_correction(cfg, console)
                 if runtime is not None:
                     run.versions = WeightVersions(state.step)
                     run.reward_stats = runtime.scorer.stats.as_dict()
@@ -329,9 +338,12 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
             metrics = await rl_step(run, producer)
             st.step, st.stage_step = st.step + 1, st.stage_step + 1
             metrics["time/step_s"] = time.perf_counter() - start
+            stop = None
             if run.info.is_main:
-                _report(run, stage, metrics, console)
+                stop = _report(run, stage, metrics, console)
                 fault_point("logged", st.step)
+            if broadcast_object(stop, run.info):  # every rank stops, before this step's checkpoint
+                raise TrainingStopped(stop)
             # Metrics first, then the checkpoint: a kill in between only makes the resumed run redo
             # (and re-log) this step; the reverse order could lose its metrics line.
             if st.step % cfg.checkpoint.every == 0 or st.stage_step == stage.steps:
@@ -354,14 +366,37 @@ def _open_producer(
         prompts_per_step=alg.prompts_per_step, rollouts_per_prompt=alg.rollouts_per_prompt,
         max_staleness=alg.staleness_bound, seed=cfg.seed, first_step=st.step - st.stage_step,
         steps=stage.steps, steps_done=st.stage_step, concurrency=cfg.rollout_concurrency,
-        on_trajectory=lambda _: fault_point("rollout", st.step + 1),
+        exact=alg.exact_staleness, on_trajectory=lambda _: fault_point("rollout", st.step + 1),
         state=saved.get("producer") if saved else None,
     )  # fmt: skip
 
 
-def _report(run: Run, stage: StageConfig, metrics: dict, console) -> None:
+def _alert_monitor(cfg: TrainConfig) -> AlertMonitor:
+    # The engine reports log-probs of its sampling distribution: comparable to the trainer's at T = 1 only.
+    comparable = cfg.agent.temperature == 1.0 and cfg.agent.top_p == 1.0
+    return AlertMonitor(cfg.logging, comparable_logprobs=comparable)
+
+
+def _announce_correction(cfg: TrainConfig, console) -> None:
+    """Say which off-policy correction an asynchronous run trains with (the default, or none)."""
+    alg = cfg.algorithm
+    if not alg.async_ or alg.max_staleness == 0:
+        return
+    if alg.tis_cap is None:
+        console.print(f"[bold red]WARNING:[/] {uncorrected_async_message(alg.max_staleness)}")
+    else:
+        how = "the async default; algorithm.tis_cap=null turns it off" if alg.tis_defaulted else "set by you"
+        console.print(
+            f"async, max_staleness={alg.max_staleness} ({alg.staleness_mode}): off-policy correction "
+            f"TIS with cap {alg.tis_cap} ({how})"
+        )
+
+
+def _report(run: Run, stage: StageConfig, metrics: dict, console) -> str | None:
+    """Log the step with its alerts; the stop message when `logging.alert_action=stop` says to stop."""
     st = run.state
-    for alert in run.alerts.check(metrics):
+    alerts = run.alerts.check(metrics)
+    for alert in alerts:
         console.print(f"[bold red]ALERT step {st.step}:[/] {alert}")
         metrics.setdefault("alerts", []).append(alert)
     run.logger.log(st.step, metrics)
@@ -371,6 +406,13 @@ def _report(run: Run, stage: StageConfig, metrics: dict, console) -> None:
         f"err {_fmt(metrics['tools/error_ratio'], '.1%')} loss {metrics['train/loss']:+.4f} {metrics['time/step_s']:.1f}s",
         markup=False,
     )
+    if not run.alerts.should_stop(st.step, alerts):
+        return None
+    from rich.markup import escape
+
+    message = stop_message(run.cfg.run_dir, st.step, run.alerts.streak_start, alerts)
+    console.print(f"[bold red]STOP:[/] {escape(message)}")  # a path may hold [brackets]
+    return message
 
 
 def _fmt(value: float | None, spec: str) -> str:
