@@ -1,11 +1,15 @@
 """The tiny demo's GRPO-RoC, synchronous vs asynchronous, side by side: RL wall time, trainer and engine
-idle fractions, and held-out accuracy, from the SFT model and data of a finished `tirl demo` directory
-(same SFT model, data, seed, step budget and evaluation; only `algorithm.async` differs).
+idle fractions, the off-policy guard-rail signals, and held-out accuracy, from the SFT model and data of
+a finished `tirl demo` directory (same SFT model, data, seed, step budget and evaluation; only the
+`algorithm` settings below differ).
 
-    .venv/bin/python benchmarks/async_demo.py --demo runs/demo [--k 1] [--out runs/async_demo]
+    .venv/bin/python benchmarks/async_demo.py --demo runs/demo [--k 1] [--tis-cap off] \
+        [--staleness-mode exact] [--only async] [--out runs/async_demo] [demo.seed=1 ...]
 
-Each run is a full `tirl train` of the demo config (demo.rl_steps steps) plus the demo's held-out
-evaluation: tens of minutes on a 2-core CPU.
+The async run gets tirl's defaults for async (truncated importance sampling, cap 2.0) unless `--tis-cap`
+says otherwise (`off`: no correction, the configuration that collapsed). Each run is a full `tirl train`
+of the demo config (demo.rl_steps steps) plus the demo's held-out evaluation: tens of minutes on a
+2-core CPU. Results: OUT/<run>.json each, OUT/async_demo.json for the runs of one call.
 """
 
 from __future__ import annotations
@@ -18,35 +22,78 @@ from pathlib import Path
 from statistics import mean
 
 from tirl.data import load_problems
-from tirl.demo.pipeline import _evaluate, load_settings, train_config
+from tirl.demo.pipeline import DemoSettings, _evaluate, load_settings, train_config
 from tirl.rl.checkpoint import latest_model_dir
 from tirl.rl.trainer import run_training
 
 
-def run(settings, demo: Path, out: Path, name: str, staleness: int | None, tis_cap: float | None) -> dict:
-    """One RL run (async with `staleness` k, or synchronous for None) and its held-out evaluation."""
+def _max(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def _guard_rails(rows: list[dict]) -> dict:
+    """What the off-policy alerts watch, at its worst over the run, and the first alerting step."""
+    alerting = [r["step"] for r in rows if r.get("alerts")]
+    return {
+        "engine_gap_max": _max(rows, "train/engine_logprob_gap"),
+        "length_share_max": _max(rows, "finish/length") or 0.0,
+        "approx_kl_max": _max(rows, "train/approx_kl"),
+        "tis_truncated_max": _max(rows, "train/tis_truncated_frac"),
+        "first_alert_step": alerting[0] if alerting else None,
+    }
+
+
+def run(settings: DemoSettings, demo: Path, out: Path, name: str) -> dict:
+    """One RL run with `settings` and its held-out evaluation."""
     cfg = train_config(
         settings, latest_model_dir(demo / "sft"), str(demo / "data" / "rl_train.jsonl"), out, name
     )
-    cfg.algorithm = cfg.algorithm.model_copy(update={"tis_cap": tis_cap})
-    if staleness is not None:
-        cfg.algorithm = cfg.algorithm.model_copy(update={"async_": True, "max_staleness": staleness})
+    alg = cfg.algorithm
     start = time.perf_counter()
     run_dir = run_training(cfg, progress=False)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     heldout = load_problems(str(demo / "data" / "heldout.jsonl"))
     report = asyncio.run(_evaluate(settings, latest_model_dir(run_dir), heldout, out / f"eval_{name}", False))
-    return {
+    result = {
         "run": name,
+        "seed": cfg.seed,
+        "async": alg.async_,
+        "max_staleness": alg.staleness_bound,
+        "staleness_mode": alg.staleness_mode if alg.async_ else None,
+        "tis_cap": alg.tis_cap,
         "rl_wall_s": wall,
         "step_s": mean(r["time/step_s"] for r in rows),
         "trainer_idle": mean(r["perf/trainer_idle_frac"] for r in rows),
         "engine_idle": mean(r["perf/engine_idle_frac"] for r in rows),
         "dropped_stale": sum(r.get("async/dropped_stale", 0) for r in rows),
         "reward_last5": mean(r["reward/mean"] for r in rows[-5:]),
+        "reward_curve": [round(r["reward/mean"], 4) for r in rows],
         "heldout_accuracy": 100 * report.benchmarks["heldout"].metrics.pass1,
-    }
+    } | _guard_rails(rows)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _async_overrides(args: argparse.Namespace) -> list[str]:
+    extra = ["train.algorithm.async=true", f"train.algorithm.max_staleness={args.k}"]
+    extra.append(f"train.algorithm.staleness_mode={args.staleness_mode}")
+    if args.tis_cap is not None:  # else tirl's default for async
+        extra.append(f"train.algorithm.tis_cap={'null' if args.tis_cap == 'off' else float(args.tis_cap)}")
+    return extra
+
+
+def _print(results: list[dict]) -> None:
+    print(f"{'run':<24} {'seed':>4} {'RL wall s':>10} {'step s':>7} {'trainer idle':>13} {'engine idle':>12} "
+          f"{'dropped':>8} {'reward (last 5)':>16} {'gap max':>8} {'length max':>11} {'held-out':>9}")  # fmt: skip
+    for r in results:
+        gap = "n/a" if r["engine_gap_max"] is None else f"{r['engine_gap_max']:.3f}"
+        print(
+            f"{r['run']:<24} {r['seed']:>4} {r['rl_wall_s']:>10.0f} {r['step_s']:>7.1f} {r['trainer_idle']:>13.1%} "
+            f"{r['engine_idle']:>12.1%} {r['dropped_stale']:>8} {r['reward_last5']:>16.3f} {gap:>8} "
+            f"{r['length_share_max']:>11.0%} {r['heldout_accuracy']:>8.1f}%"
+        )
 
 
 def main() -> None:
@@ -55,26 +102,31 @@ def main() -> None:
     ap.add_argument("--out", default="runs/async_demo")
     ap.add_argument("--k", type=int, default=1, help="algorithm.max_staleness of the async run")
     ap.add_argument("--only", choices=["sync", "async"], help="run one side only")
-    ap.add_argument("--tis-cap", type=float, help="algorithm.tis_cap of both runs (default: off)")
-    ap.add_argument("overrides", nargs="*", help="demo settings, e.g. demo.rl_steps=10")
+    ap.add_argument(
+        "--tis-cap", help="algorithm.tis_cap of the async run: a number, or off (default: tirl's)"
+    )
+    ap.add_argument("--staleness-mode", choices=["bounded", "exact"], default="bounded")
+    ap.add_argument("--name", help="the async run's name (default async_k<k>[_exact][_tis<cap>]_seed<seed>)")
+    ap.add_argument("overrides", nargs="*", help="demo settings, e.g. demo.rl_steps=10 demo.seed=1")
     args = ap.parse_args()
     demo, out = Path(args.demo), Path(args.out)
     if not (demo / "sft").is_dir() or not (demo / "data" / "heldout.jsonl").is_file():
         raise SystemExit(f"{demo} is not a finished `tirl demo` directory (no sft/ or data/heldout.jsonl)")
-    settings = load_settings(overrides=args.overrides)
-    sides = [("sync", None), (f"async_k{args.k}", args.k)]
-    results = [
-        run(settings, demo, out, n, k, args.tis_cap) for n, k in sides if args.only in (None, n.split("_")[0])
-    ]
+    out.mkdir(parents=True, exist_ok=True)
+    base = load_settings(overrides=args.overrides)
+    seed = base.demo.seed
+    exact = "_exact" if args.staleness_mode == "exact" else ""
+    tis = "" if args.tis_cap is None else f"_tis{args.tis_cap}"
+    sides = {
+        "sync": (f"sync_seed{seed}", base),
+        "async": (
+            args.name or f"async_k{args.k}{exact}{tis}_seed{seed}",
+            load_settings(overrides=[*args.overrides, *_async_overrides(args)]),
+        ),
+    }
+    results = [run(s, demo, out, name) for side, (name, s) in sides.items() if args.only in (None, side)]
     (out / "async_demo.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{'run':<10} {'RL wall s':>10} {'step s':>8} {'trainer idle':>13} {'engine idle':>12} "
-          f"{'dropped':>8} {'reward (last 5)':>16} {'held-out acc':>13}")  # fmt: skip
-    for r in results:
-        print(
-            f"{r['run']:<10} {r['rl_wall_s']:>10.0f} {r['step_s']:>8.1f} {r['trainer_idle']:>13.1%} "
-            f"{r['engine_idle']:>12.1%} {r['dropped_stale']:>8} {r['reward_last5']:>16.3f} "
-            f"{r['heldout_accuracy']:>12.1f}%"
-        )
+    _print(results)
     if len(results) == 2:
         print(f"async / sync RL wall time: {results[1]['rl_wall_s'] / results[0]['rl_wall_s']:.2f}x")
 
