@@ -1,7 +1,7 @@
 """tirl's sandbox service vs a process per call (code-judge / SandboxFusion style), side by side.
 
 Usage: python benchmarks/sandbox_bench.py [--calls 300] [--concurrency 1,4,32] [--rss-calls 5000]
-       [--workloads trivial,numpy,sympy]
+       [--workloads trivial,numpy,sympy,session]
 Prints a markdown table (calls/s, p50/p99 latency, speed-up) and the service RSS before/after.
 """
 

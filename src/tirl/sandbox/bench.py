@@ -10,17 +10,19 @@ busy, it is what bounds throughput.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import resource
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from tirl.sandbox.client import SandboxClient
 from tirl.sandbox.result import ExecResult, Status
 from tirl.sandbox.service import SandboxConfig, open_executor
 
@@ -28,7 +30,9 @@ WORKLOADS = {
     "trivial print": "print(sum(range(10)))",
     "numpy cell": "import numpy as np\na = np.arange(1, 2501, dtype=float).reshape(50, 50) % 7\nprint(int(np.linalg.matrix_rank(a @ a.T)))",
     "sympy cell": "import sympy as sp\nx = sp.symbols('x')\nprint(sp.solve(x**2 - 5*x + 6, x), sp.expand((x + 2)**4))",
+    "session print": "print(sum(range(10)))",  # a cell of a persistent session (one per worker)
 }  # fmt: skip
+SESSION_PREFIX = "session"
 
 
 @dataclass
@@ -155,11 +159,12 @@ async def run_bench(
         for name, code in WORKLOADS.items():
             if workloads and not any(w in name for w in workloads):
                 continue
-            base_calls = max(16, calls // (3 if name == "trivial print" else 8))
+            base_calls = max(16, calls // (3 if "print" in name else 8))
             for c in levels:
-                before = cpu_by_part(service_pid)
-                ours = await measure(client.run, code, calls, c)
-                after = cpu_by_part(service_pid)
+                async with _runner(client, name, c) as run:
+                    before = cpu_by_part(service_pid)
+                    ours = await measure(run, code, calls, c)
+                    after = cpu_by_part(service_pid)
                 split.append((name, c, {k: (after[k] - before[k]) * 1000 / calls for k in after}))
                 ours.cpu_ms = sum(split[-1][2].values())
                 children = _children_cpu_s()
@@ -178,6 +183,32 @@ async def run_bench(
             rss = (f"\nService RSS: {before:.1f} MiB before, {after:.1f} MiB after {rss_calls} more calls "
                    f"({m.rate:.0f} calls/s, {m.failures} failed).")  # fmt: skip
     return table(rows) + "\n\nCPU per call, by part (ms):\n" + cpu_table(split) + rss
+
+
+@contextlib.asynccontextmanager
+async def _runner(
+    client: SandboxClient, name: str, concurrency: int
+) -> AsyncIterator[Callable[[str], Awaitable[ExecResult]]]:
+    """How the workload runs its calls: stateless, or as cells of one live session per worker."""
+    if not name.startswith(SESSION_PREFIX):
+        yield client.run
+        return
+    sessions: asyncio.Queue = asyncio.Queue()
+    for _ in range(concurrency):
+        sessions.put_nowait(await client.open_session())
+
+    async def run(code: str) -> ExecResult:
+        session = await sessions.get()
+        try:
+            return await session.run(code)
+        finally:
+            sessions.put_nowait(session)
+
+    try:
+        yield run
+    finally:
+        while not sessions.empty():
+            await sessions.get_nowait().aclose()
 
 
 def _children_cpu_s() -> float:

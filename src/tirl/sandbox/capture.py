@@ -120,7 +120,7 @@ def collect(
                 else:
                     sel.unregister(fd)
                     del sinks[fd]
-            if got.stdout.total + got.stderr.total > cap:
+            if got.stdout.total + got.stderr.total + result.total > cap:  # the result pipe: we read it too
                 got.killed = "output"
                 break
     finally:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,6 +176,65 @@ def _remove_stale(parent: Path) -> None:
             for path in [*d.glob("slot*"), d]:
                 with contextlib.suppress(OSError):
                     path.rmdir()
+
+
+STALE_EXIT_S = 5.0  # how long a killed stale process may take to leave its group
+
+
+def _dead_service(group: Path) -> bool:
+    """A service group (PREFIX<n>-<pid>) whose process is gone."""
+    pid = group.name.rsplit("-", 1)[-1]
+    return pid.isdigit() and not Path(f"/proc/{pid}").exists()
+
+
+def _end_processes(group: Path) -> None:
+    """Thaw a group, then SIGKILL what is in it: a frozen process cannot act on a signal (cgroup v1),
+    so the parent-death signal its fork server's death queued never ran."""
+    for name, thawed in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+        if (group / name).exists():
+            _write(group / name, thawed)
+    if (group / "cgroup.kill").exists() and _write(group / "cgroup.kill", "1"):
+        return
+    with contextlib.suppress(OSError, ValueError):
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def clean_stale() -> int:
+    """End and remove what services that died without cleaning up left in our hierarchies (start-up).
+
+    Sessions frozen between cells outlive a service that was SIGKILLed or OOM-killed; every group
+    of a dead service (named by its pid) is thawed, its processes killed, then removed. Returns how
+    many groups were removed.
+    """
+    own = _own_paths()
+    parents = (
+        [ROOT / own.get("", "/").lstrip("/")]
+        if (ROOT / "cgroup.controllers").exists()
+        else [ROOT / c / p.lstrip("/") for c, p in own.items() if c and (ROOT / c).is_dir()]
+    )
+    # the freezer first: its processes must be thawed before any other hierarchy can see them exit
+    parents.sort(key=lambda p: "freezer" not in p.parts)
+    stale = [d for parent in parents for d in parent.glob(f"{PREFIX}*") if _dead_service(d)]
+    leaves = [leaf for d in stale for leaf in d.glob("slot*")]
+    for leaf in leaves:
+        _end_processes(leaf)
+    removed = 0
+    deadline = time.monotonic() + STALE_EXIT_S
+    for path in [*leaves, *stale]:
+        while True:
+            try:
+                path.rmdir()
+                removed += 1
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # still holds exiting processes
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+    return removed
 
 
 def _create_v2(base: Path, slots: int, notes: list[str], freezer: bool) -> list[SlotCgroup]:

@@ -67,13 +67,22 @@ class Prepared:
         self.pidfd = self.request = self.stdout = self.stderr = self.result = -1
 
 
+class ForkServerGone(RuntimeError):
+    """The fork server exited (a refused fork leaves it serving: see FAILED)."""
+
+
+FAILED = b"e"  # a fork the fork server could not make (e.g. EAGAIN): it says why and serves on
+
+
 def receive(sock: socket.socket) -> Prepared:
     """(supervisor) The next prepared child, as sent by the fork server."""
-    msg, fds, _, _ = socket.recv_fds(sock, 64, 5)
+    msg, fds, _, _ = socket.recv_fds(sock, 256, 5)
     if not msg.startswith(b"p") or len(fds) != 5:
         for fd in fds:
             os.close(fd)
-        raise RuntimeError(f"the fork server failed (sent {msg[:40]!r})")
+        if not msg.startswith(FAILED):
+            raise ForkServerGone(f"the fork server failed (sent {msg[:40]!r})")
+        raise RuntimeError(f"the fork server could not fork: {msg[1:200].decode(errors='replace')}")
     return Prepared(int(msg[1:]), *fds)
 
 
@@ -125,7 +134,11 @@ def serve(sock: socket.socket, plan: isolation.Plan, program: bytes | None, work
         if command.startswith(SESSION):
             uid = int(command[1:]) if command[1:] else plan.uid
             session_plan = dataclasses.replace(plan, uid=uid, own_network=plan.namespaces)
-            pid = _prepare(sock, session_plan, seccomp, own_pidns, workdir_mb)
+            try:
+                pid = _prepare(sock, session_plan, seccomp, own_pidns, workdir_mb)
+            except OSError as exc:  # refused (processes, memory): that session fails, we serve on
+                sock.send(FAILED + repr(exc).encode()[:200])
+                continue
             sessions[os.pidfd_open(pid)] = pid
             continue
         if command == NEXT and running:
@@ -149,12 +162,17 @@ def _prepare(
     """Fork and confine the next call's process now, so the call itself only runs the code."""
     request, out, err, res = (os.pipe() for _ in range(4))
     address_space = _vm_bytes()  # the child's, as it starts: measured here, not in its own memory
-    if plan.pid_namespace:
-        # The next child becomes pid 1 of a fresh pid namespace. The kernel allows this only while
-        # our children's pid namespace is still our own, so point it back there first.
-        linux.setns(own_pidns, linux.CLONE_NEWPID)
-        linux.unshare(linux.CLONE_NEWPID)
-    pid = linux.fork_bare()  # single-threaded: no after-fork hooks needed (the child reseeds)
+    try:
+        if plan.pid_namespace:
+            # The next child becomes pid 1 of a fresh pid namespace. The kernel allows this only while
+            # our children's pid namespace is still our own, so point it back there first.
+            linux.setns(own_pidns, linux.CLONE_NEWPID)
+            linux.unshare(linux.CLONE_NEWPID)
+        pid = linux.fork_bare()  # single-threaded: no after-fork hooks needed (the child reseeds)
+    except BaseException:
+        for fd in (*request, *out, *err, *res):
+            os.close(fd)
+        raise
     if pid == 0:
         try:
             _child(plan, seccomp, workdir_mb, address_space, (request[0], out[1], err[1], res[1]))

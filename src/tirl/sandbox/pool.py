@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
+import signal
 import socket
 import sys
 import time
@@ -21,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tirl.sandbox import cgroups, forkserver, framing, imports, isolation, netns, seccomp_filter, zygote
-from tirl.sandbox.limits import DEFAULT_LIMITS, SERVER_MAXIMA, Limits, MiB
+from tirl.sandbox.limits import DEFAULT_LIMITS, SERVER_MAXIMA, Limits, MiB, host_memory_bytes
 from tirl.sandbox.result import ExecResult, Status
-from tirl.sandbox.session import Session
+from tirl.sandbox.session import Session, gone
 
 GRACE_S = 10.0  # beyond the call's own deadline, how long a silent zygote is trusted
 START_TIMEOUT_S = 180.0
@@ -85,6 +87,20 @@ class SessionError(RuntimeError):
     """A session could not be opened (cap reached, pool closed or overloaded)."""
 
 
+def _no_slot(waited_s: float) -> ExecResult:
+    return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {waited_s:g} s")
+
+
+def _discard_prepared(task: asyncio.Task) -> None:
+    """A session process whose opener gave up: killed (its fork server reaps it), fds closed."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    child = task.result()
+    with contextlib.suppress(OSError):
+        signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+    child.close()
+
+
 def _alive(lane: _Slot) -> bool:
     return lane.proc is not None and lane.proc.returncode is None
 
@@ -139,6 +155,7 @@ class Sandbox:
         max_sessions: int = 64,
         session_idle_s: float = 600.0,
         session_cpu_s: float = 3600.0,
+        memory_budget_mb: int | None = None,
     ) -> None:
         self.slots = slots or os.cpu_count() or 1
         self.maxima = Limits.model_validate(maxima or SERVER_MAXIMA)
@@ -160,7 +177,7 @@ class Sandbox:
             raise ValueError(
                 f"max_sessions={max_sessions} is too many: at most {SESSION_UIDS} (one uid each)"
             )
-        if self._lanes() > LANE_UIDS:
+        if self._lanes() + 1 > LANE_UIDS:  # + the pool's session zygote
             raise ValueError(f"slots={self.slots} is too many: a pool runs at most {LANE_UIDS} zygotes, "
                              f"one uid each (two per slot unless the preload is stdlib-only); use fewer slots")  # fmt: skip
         self._slots: list[_Slot] = []
@@ -180,6 +197,17 @@ class Sandbox:
         )
         self._sessions: dict[str, Session] = {}
         self._session_uids: set[int] = set()  # indices in use within the session uid range
+        # Sessions are forked by a zygote of their own (started on the first open), never by a
+        # slot's: a slot's zygote is recycled, respawned and limited by its calls, and its fork
+        # server's exit would end every session it forked.
+        self._session_lane: _Slot | None = None
+        self._handoff_lock = asyncio.Lock()
+        # One admission rule: sessions held (live, opening or closing) and memory reserved by
+        # running calls and live sessions, both counted before anything waits.
+        self._sessions_held = 0
+        host_mb = (host_memory_bytes() or 0) // MiB
+        self.memory_budget_mb = memory_budget_mb or host_mb or 1 << 30
+        self._memory_reserved_mb = 0
 
     # ---- lifecycle ----
 
@@ -197,6 +225,7 @@ class Sandbox:
             self._missing.append("isolation disabled by configuration: code runs with the service's rights")
         elif root:
             self._mode = "root"
+            cgroups.clean_stale()  # what a killed service left: frozen sessions above all
             # One empty network namespace per zygote: abstract unix sockets live in the network
             # namespace, so calls of different slots can neither connect nor pass descriptors.
             self._netns_fds = [netns.create_empty_netns(_zygote_env()) for _ in range(self._lanes())]
@@ -284,9 +313,12 @@ class Sandbox:
         self._closed = True
         for t in list(self._tasks):
             t.cancel()
-        for session in list(self._sessions.values()):
-            await self._close_session(session, "the sandbox pool was closed")
-        lanes = [lane for s in self._slots for lane in s.lanes()]
+        await asyncio.gather(
+            *(self._close_session(s, "the sandbox pool was closed") for s in list(self._sessions.values()))
+        )
+        lanes = [lane for s in self._slots for lane in s.lanes()] + [
+            lane for lane in (self._session_lane,) if lane is not None
+        ]
         for s in lanes:
             if s.proc is not None and s.proc.returncode is None:
                 s.proc.stdin.close()
@@ -298,11 +330,10 @@ class Sandbox:
                     s.proc.kill()
                     await s.proc.wait()
         cgroups.remove_slot_cgroups(self._cgroups)
-        for s in self._slots:
-            for lane in s.lanes():
-                if lane.handoff is not None:
-                    lane.handoff.close()
-                    lane.handoff = None
+        for lane in lanes:
+            if lane.handoff is not None:
+                lane.handoff.close()
+                lane.handoff = None
         for fd in self._netns_fds:
             os.close(fd)
         self._netns_fds = []
@@ -325,13 +356,14 @@ class Sandbox:
         """Run `code` with `stdin` in a fresh confined process of a free slot."""
         call_limits = self.call_limits(timeout, limits)
         queued = time.monotonic()
-        if self._closed:
-            return ExecResult(Status.SANDBOX_ERROR, message="the sandbox pool is closed")
-        if self._waiting >= self.max_queue:
-            return ExecResult(Status.QUEUE_TIMEOUT, message=f"queue full ({self.max_queue} calls waiting)")
-        slot = await self._acquire()
+        if (refused := self.admission()) is not None:
+            return refused
+        slot = await self._acquire(self.queue_timeout_s)
         if slot is None:
-            return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {self.queue_timeout_s:g} s")
+            return _no_slot(self.queue_timeout_s)
+        if (why := self._reserve_memory(call_limits.memory_mb)) is not None:
+            self._idle.put_nowait(slot)
+            return ExecResult(Status.QUEUE_TIMEOUT, message=why)
         queue_ms = (time.monotonic() - queued) * 1000
         self._busy += 1
         healthy, lane = False, slot.lane_for(code)
@@ -339,6 +371,7 @@ class Sandbox:
             result, healthy = await self._call(lane, code, stdin, call_limits)
         finally:
             self._busy -= 1
+            self._memory_reserved_mb -= call_limits.memory_mb
             if healthy:
                 self._idle.put_nowait(slot)
             else:
@@ -346,11 +379,37 @@ class Sandbox:
         result.extra["queue_ms"] = round(queue_ms, 2)
         return result
 
-    async def _acquire(self) -> _Slot | None:
-        """A free slot, or None after queue_timeout_s."""
+    def admission(self) -> ExecResult | None:
+        """Why a call or cell cannot even queue (closed pool, queue full), or None: answered at once,
+        before the caller waits (the server asks before it parses a request's body)."""
+        if self._closed:
+            return ExecResult(Status.SANDBOX_ERROR, message="the sandbox pool is closed")
+        if self._waiting >= self.max_queue:
+            return ExecResult(
+                Status.QUEUE_TIMEOUT,
+                message=f"queue full ({self.max_queue} calls and session cells waiting)",
+            )
+        return None
+
+    def _reserve_memory(self, memory_mb: int) -> str | None:
+        """Take `memory_mb` of the pool's memory budget, or say why not (running calls and live
+        sessions together never get more than the machine has)."""
+        if self._memory_reserved_mb + memory_mb > self.memory_budget_mb:
+            return (
+                f"memory budget: {self._memory_reserved_mb} of {self.memory_budget_mb} MiB are held by "
+                f"running calls and live sessions, {memory_mb} MiB more do not fit (retry later, ask "
+                f"for less memory, or close idle sessions)"
+            )
+        self._memory_reserved_mb += memory_mb
+        return None
+
+    async def _acquire(self, timeout: float) -> _Slot | None:
+        """A free slot, or None after `timeout` seconds (counted as waiting in the queue)."""
+        with contextlib.suppress(asyncio.QueueEmpty):
+            return self._idle.get_nowait()
         self._waiting += 1
         try:
-            return await asyncio.wait_for(self._idle.get(), self.queue_timeout_s)
+            return await asyncio.wait_for(self._idle.get(), max(timeout, 0.0))
         except TimeoutError:
             return None
         finally:
@@ -361,57 +420,120 @@ class Sandbox:
     async def open_session(self, limits: Limits | dict | None = None) -> Session:
         """A live interpreter that keeps its state across `session.run` calls (close it when done).
 
-        Raises SessionError when the pool is closed, at its cap of live sessions, or busy.
+        Raises SessionError when the pool is closed, at its cap of sessions (live or opening), out
+        of memory budget, or cannot start one.
         """
-        if self._closed:
-            raise SessionError("the sandbox pool is closed")
-        if len(self._sessions) >= self.max_sessions:
-            raise SessionError(
-                f"{self.max_sessions} sessions are live (the cap): close some, or wait for idle ones to expire"
-            )
         session_limits = self.call_limits(None, limits)
-        slot = await self._acquire()
-        if slot is None:
-            raise SessionError(f"no free slot within {self.queue_timeout_s:g} s to start a session")
-        healthy = False
-        uid_index = min(set(range(SESSION_UIDS)) - self._session_uids)
-        uid = self.uid_base + LANE_UIDS + uid_index if self._mode == "root" else None
-        self._session_uids.add(uid_index)
+        uid_index = self._admit_session(session_limits)
+        session = None
         try:
-            child, healthy = await self._hand_off(slot, uid)
-        except BaseException:
-            self._session_uids.discard(uid_index)
-            raise
+            session = await self._start_session(session_limits, uid_index)
         finally:
-            if healthy:
-                self._idle.put_nowait(slot)
-            else:
-                self._respawn_later(slot, slot)
-        if child is None:
-            self._session_uids.discard(uid_index)
-            raise SessionError("sandbox error: the slot failed to hand over a session")
-        group = self._session_cgroup(child.pid, session_limits)
-        session = Session(session_limits, child, group, owner=self, uid_index=uid_index)
+            if session is None:
+                self._release_session(uid_index, session_limits.memory_mb)
         self._sessions[session.id] = session
-        ready = await session.start(session_limits.with_overrides(timeout_s=self.session_cpu_s))
-        if not session.alive:
-            await self._close_session(session, "it failed to start")
-            raise SessionError(ready.message)
         self._reap_idle_sessions_later()
         return session
 
-    async def _hand_off(self, slot: _Slot, uid: int | None) -> tuple[forkserver.Prepared | None, bool]:
-        proc = slot.proc
+    def _admit_session(self, limits: Limits) -> int:
+        """Count a new session against the cap and the memory budget before anything waits; its uid index."""
+        if self._closed:
+            raise SessionError("the sandbox pool is closed")
+        if self._sessions_held >= self.max_sessions:
+            raise SessionError(
+                f"{self.max_sessions} sessions are live or opening (the cap): close some, or wait for idle ones to expire"
+            )
+        if (why := self._reserve_memory(limits.memory_mb)) is not None:
+            raise SessionError(why)
+        self._sessions_held += 1
+        # held <= max_sessions <= SESSION_UIDS and each held session has at most one index: one is free
+        uid_index = min(set(range(SESSION_UIDS)) - self._session_uids)
+        self._session_uids.add(uid_index)
+        return uid_index
+
+    def _release_session(self, uid_index: int, memory_mb: int) -> None:
+        self._session_uids.discard(uid_index)
+        self._sessions_held -= 1
+        self._memory_reserved_mb -= memory_mb
+
+    def _release(self, session: Session) -> None:
+        """Give back what a session held, once (its process is gone)."""
+        if not session.released:
+            session.released = True
+            self._release_session(session.uid_index, session.limits.memory_mb)
+
+    async def _start_session(self, limits: Limits, uid_index: int) -> Session:
+        uid = self.uid_base + LANE_UIDS + uid_index if self._mode == "root" else None
+        child = await self._hand_off(uid)
+        session = Session(limits, child, cgroups.SlotCgroup(), owner=self, uid_index=uid_index)
         try:
-            proc.stdin.write(framing.encode({"session": True, "uid": uid}))
-            reply = await asyncio.wait_for(framing.read_frame_async(proc.stdout), GRACE_S)
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            return None, False
-        if not reply.get("session"):
-            return None, False
-        return forkserver.receive(slot.handoff), not reply.get("recycle")
+            session.cgroup = self._session_cgroup(child.pid, limits)
+            ready = await session.start(limits.with_overrides(timeout_s=self.session_cpu_s))
+        except BaseException:
+            await asyncio.shield(session.close("it failed to start"))
+            raise
+        if not session.alive:
+            await session.close("it failed to start")
+            raise SessionError(ready.message)
+        return session
+
+    async def _hand_off(self, uid: int | None) -> forkserver.Prepared:
+        """A new session process from the session zygote. A caller that gives up mid-way does not
+        leave the zygote's protocol half-read: the hand-off finishes and its process is discarded."""
+        task = asyncio.ensure_future(self._hand_off_locked(uid))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_discard_prepared)
+            raise
+
+    async def _hand_off_locked(self, uid: int | None) -> forkserver.Prepared:
+        async with self._handoff_lock:
+            lane = await self._session_zygote()
+            proc = lane.proc
+            try:
+                proc.stdin.write(framing.encode({"session": True, "uid": uid}))
+                reply = await asyncio.wait_for(framing.read_frame_async(proc.stdout), GRACE_S)
+            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()  # replaced on the next open
+                raise SessionError("sandbox error: the session zygote did not answer") from None
+            if not reply.get("session"):
+                if reply.get("recycle"):
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                raise SessionError(f"sandbox error: no session process ({reply.get('error')})")
+            return forkserver.receive(lane.handoff)
+
+    async def _session_zygote(self) -> _Slot:
+        """The zygote that forks sessions, started on first use (and again if it died)."""
+        if self._session_lane is None:
+            config = {**self._heavy_config, "max_calls": 1 << 62, "max_growth_mb": 1 << 20}  # never recycled
+            self._session_lane = _Slot(self.slots, self._session_plan(), config)
+        lane = self._session_lane
+        if not _alive(lane):
+            if lane.proc is not None:
+                await lane.proc.wait()
+            await self._spawn(lane)
+        return lane
+
+    def _session_plan(self) -> isolation.Plan:
+        """A slot's isolation, with a uid, network namespace and (unlimited) cgroup of its own: no
+        call's limits apply to the process that forks sessions, each session gets its own cgroup."""
+        root = self._mode == "root"
+        netns_fd, group = None, cgroups.SlotCgroup()
+        if root:
+            netns_fd = netns.create_empty_netns(_zygote_env())
+            self._netns_fds.append(netns_fd)
+            groups, _ = cgroups.create_slot_cgroups(cgroups.service_name(), 1)
+            group = groups[0]
+            self._cgroups.append(group)
+        return dataclasses.replace(
+            self._slots[0].plan,
+            uid=self.uid_base + self._lanes() if root else None,
+            netns_fd=netns_fd,
+            cgroup=group,
+        )
 
     def _session_cgroup(self, pid: int, limits: Limits) -> cgroups.SlotCgroup:
         """The session's own cgroup (memory, processes, one CPU, frozen between cells): its memory is
@@ -431,31 +553,69 @@ class Sandbox:
     async def run_in_session(
         self, session: Session, code: str, stdin: str = "", timeout: float | None = None
     ) -> ExecResult:
-        """One cell in `session`, holding a slot while it runs (sessions share the pool's CPUs)."""
+        """One cell in `session`. It waits for the session's earlier cells holding nothing, then for
+        a slot (sessions share the pool's CPUs); both waits count in the queue and end with it."""
         timeout = self.call_limits(timeout).timeout_s
-        slot = await self._acquire()
+        if session.lost is not None:
+            return gone(session.lost)
+        if (refused := self.admission()) is not None:
+            return refused
+        deadline = time.monotonic() + self.queue_timeout_s
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(session.lock.acquire(), self.queue_timeout_s)
+        except TimeoutError:
+            return ExecResult(
+                Status.QUEUE_TIMEOUT,
+                message=f"the session was busy with earlier cells for {self.queue_timeout_s:g} s",
+            )
+        finally:
+            self._waiting -= 1
+        try:
+            return await self._run_cell_locked(session, code, stdin, timeout, deadline)
+        finally:
+            session.lock.release()
+
+    async def _run_cell_locked(
+        self, session: Session, code: str, stdin: str, timeout: float, deadline: float
+    ) -> ExecResult:
+        if session.lost is not None:
+            return gone(session.lost)
+        slot = await self._acquire(deadline - time.monotonic())
         if slot is None:
-            return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {self.queue_timeout_s:g} s")
+            return _no_slot(self.queue_timeout_s)
         self._busy += 1
         try:
             return await session.run_cell(code, stdin, timeout)
         finally:
             self._busy -= 1
             self._idle.put_nowait(slot)
+            if session.lost is not None and session.exited:
+                self._release(session)  # its memory and uid are free now; it stays listed to say why
 
     async def close_session(self, session: Session | str) -> bool:
-        """Close a session (by object or id); False if it was not live."""
+        """Close a session (by object or id); False if it was not live (or another caller closes it)."""
         s = self._sessions.get(session if isinstance(session, str) else session.id)
         if s is None:
             return False
-        await self._close_session(s, "it was closed")
+        return await self._close_session(s, "it was closed")
+
+    async def _close_session(self, session: Session, reason: str) -> bool:
+        """Close once: a second closer waits for the first (freeing its uid twice could let two live
+        sessions share one) and returns False. Listed until everything it held is released."""
+        if session.closing is not None:
+            await asyncio.shield(session.closing)
+            return False
+        session.closing = asyncio.ensure_future(self._finish_close(session, reason))
+        await asyncio.shield(session.closing)  # a caller that gives up does not stop the clean-up
         return True
 
-    async def _close_session(self, session: Session, reason: str) -> None:
-        await session.close(reason)  # later calls are told it is gone at once
-        session.cgroup.close()
-        self._session_uids.discard(session.uid_index)  # its processes are gone: the uid is free again
-        self._sessions.pop(session.id, None)  # listed until everything it held is released
+    async def _finish_close(self, session: Session, reason: str) -> None:
+        try:
+            await session.close(reason)  # kills first: never waits for a running cell
+        finally:
+            self._release(session)
+            self._sessions.pop(session.id, None)
 
     def _reap_idle_sessions_later(self) -> None:
         if any(t.get_name() == "session-reaper" for t in self._tasks):
@@ -466,6 +626,8 @@ class Sandbox:
                 await asyncio.sleep(min(30.0, self.session_idle_s / 4))
                 now = time.monotonic()
                 for s in list(self._sessions.values()):
+                    if s.lock.locked():
+                        continue  # a cell runs or waits: not idle
                     if not s.alive or now - s.last_used > self.session_idle_s:
                         await self._close_session(s, f"it was idle for more than {self.session_idle_s:g} s")
 
@@ -566,5 +728,7 @@ class Sandbox:
             "zygote_rss_mb": [round(_rss_mb(pid), 1) for pid in zygotes],
             "slots": self.slots, "alive": alive, "idle": self._idle.qsize(), "busy": self._busy,
             "queued": self._waiting, "max_queue": self.max_queue, "features": self.features(),
+            "sessions": len(self._sessions), "sessions_held": self._sessions_held, "max_sessions": self.max_sessions,
+            "memory_reserved_mb": self._memory_reserved_mb, "memory_budget_mb": self.memory_budget_mb,
             "limits": self.limits.model_dump(), "maxima": self.maxima.model_dump(),
         }  # fmt: skip

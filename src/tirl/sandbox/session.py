@@ -10,6 +10,11 @@ end-of-cell marker (in-band: user code can forge it, but then only ends its own 
 stays frozen). A cell that times out or exceeds the output cap kills the session (its state
 cannot be trusted half-way through a cell); one killed for memory is lost too. Every later call
 then says clearly that the session is gone.
+
+Every byte moved to or from the session happens in the event loop, without blocking and under the
+cell's deadline: a session that stops reading its requests (or floods its pipes) costs its own
+cell, never a thread, a slot or the pool. Closing kills first and never waits for a running cell.
+See docs/sandbox-sessions.md for the guarantees.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from tirl.sandbox.capture import CHUNK, StreamCapture
 from tirl.sandbox.limits import Limits, MiB
 from tirl.sandbox.result import ExecResult, Status, human_bytes
 
+EXIT_WAIT_S = 30.0  # a SIGKILLed session leaves within this (a hang guard: it takes milliseconds)
+
 
 @dataclass
 class _Call:
@@ -36,6 +43,8 @@ class _Call:
     result: StreamCapture
     done: asyncio.Future
     killed: str | None = None
+    sent: bool = False  # the whole request is in the pipe
+    marker: bool = False  # the end-of-cell marker was read
 
 
 @dataclass
@@ -51,7 +60,16 @@ class Session:
     calls: int = 0
     owner: Any = None  # the Sandbox pool that opened it (its run/close go through the pool)
     uid_index: int = 0  # which of the pool's session uids it runs as
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    released: bool = False  # its uid and memory were given back to the pool
+    exited: bool = False  # its process is known to be gone
+    closing: asyncio.Future | None = None  # the pool's one close of it, once started
+    # One cell at a time: held by the pool from before a cell waits for a slot until it ends.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set while no exchange touches the pipes: close() waits for it (bounded), never for the lock.
+    _quiet: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._quiet.set()
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
         """Run one cell in this session (same contract as Sandbox.run)."""
@@ -75,7 +93,7 @@ class Session:
 
         `process_limits` are the rlimits of the whole session (its CPU-time budget is for all its calls).
         """
-        for fd in (self.child.stdout, self.child.stderr, self.child.result):
+        for fd in (self.child.request, self.child.stdout, self.child.stderr, self.child.result):
             os.set_blocking(fd, False)
         req = {"session": True, "code": "", "stdin": "", "limits": process_limits.model_dump()}
         result = await self._exchange(req, self.limits.timeout_s + 10, first=True)
@@ -83,44 +101,48 @@ class Session:
         return result
 
     async def run_cell(self, code: str, stdin: str, timeout: float) -> ExecResult:
-        """Run one cell in the session's namespace (the caller holds a slot of the pool)."""
-        async with self._lock:
-            if self.lost is not None:
-                return _gone(self.lost)
-            self.last_used = time.monotonic()
-            self.cgroup.freeze(False)
-            result = await self._exchange({"code": code, "stdin": stdin}, timeout or self.limits.timeout_s)
-            self._pause()
-            self.calls += 1
-            self.last_used = time.monotonic()
-            return result
+        """Run one cell in the session's namespace (the caller holds `lock` and a slot of the pool)."""
+        if self.lost is not None or self.child.pidfd < 0:
+            return gone(self.lost or "it was closed")
+        self.last_used = time.monotonic()
+        self.cgroup.freeze(False)
+        result = await self._exchange({"code": code, "stdin": stdin}, timeout or self.limits.timeout_s)
+        self._pause()
+        self.calls += 1
+        self.last_used = time.monotonic()
+        return result
 
     async def _exchange(self, req: dict, timeout: float, first: bool = False) -> ExecResult:
+        """Write the request and read the cell's output, all under `timeout` (the cell's deadline)."""
         loop = asyncio.get_running_loop()
         keep = self.limits.keep_bytes
         call = _Call(StreamCapture(keep), StreamCapture(keep), StreamCapture(CHUNK), loop.create_future())
         oom_before = self.cgroup.oom_kills()
         start = time.monotonic()
-        self._watch(loop, call)
+        self._quiet.clear()
         try:
-            data = framing.encode(req)
-            await loop.run_in_executor(None, _write_all, self.child.request, data)
-            await asyncio.wait_for(asyncio.shield(call.done), timeout)
-        except TimeoutError:
-            call.killed = "timeout"
-        except OSError:  # the process is gone: the pipe broke
-            pass
+            self._watch(loop, call, framing.encode(req))
+            try:
+                await asyncio.wait_for(asyncio.shield(call.done), timeout)
+            except TimeoutError:
+                call.killed = "timeout"
+            except asyncio.CancelledError:  # the caller gave up mid-cell: its state is unknown
+                self.lost = self.lost or "its cell was interrupted"
+                self._kill()
+                raise
+            finally:
+                self._unwatch(loop)
+            wall_ms = (time.monotonic() - start) * 1000
+            ended = call.done.done() and call.done.result() == "exited"
+            if call.killed or ended or self.lost is not None:
+                self._kill()
+                await self._wait_exit()
+            _drain(self.child.stdout, call.stdout)
+            _drain(self.child.stderr, call.stderr)
+            oom = self.cgroup.oom_kills() > oom_before
+            return self._classify(call, wall_ms, oom, ended, first, timeout)
         finally:
-            self._unwatch(loop)
-        wall_ms = (time.monotonic() - start) * 1000
-        ended = call.done.done() and call.done.result() == "exited"
-        if call.killed or ended:
-            self._kill()
-            await self._wait_exit()
-        _drain(self.child.stdout, call.stdout)
-        _drain(self.child.stderr, call.stderr)
-        oom = self.cgroup.oom_kills() > oom_before
-        return self._classify(call, wall_ms, oom, ended, first, timeout)
+            self._quiet.set()
 
     def _classify(
         self, call: _Call, wall_ms: float, oom: bool, ended: bool, first: bool, timeout: float
@@ -172,7 +194,23 @@ class Session:
 
     # ---- I/O on the session's pipes (non-blocking, in the event loop) ----
 
-    def _watch(self, loop: asyncio.AbstractEventLoop, call: _Call) -> None:
+    def _watch(self, loop: asyncio.AbstractEventLoop, call: _Call, request: bytes) -> None:
+        pending = memoryview(request)
+
+        def writer() -> None:
+            nonlocal pending
+            try:
+                pending = pending[os.write(self.child.request, pending[: 1 << 20]) :]
+            except BlockingIOError:
+                return
+            except OSError:  # the process is gone: its exit (pidfd) settles the call
+                pending = pending[:0]
+            if not pending:
+                loop.remove_writer(self.child.request)
+                call.sent = True
+                if call.marker:
+                    _settle(call.done, "done")
+
         def reader(fd: int, sink: StreamCapture) -> None:
             try:
                 data = os.read(fd, CHUNK)
@@ -185,8 +223,12 @@ class Session:
             if sink is call.result and forkserver.SESSION_DONE in bytes(
                 call.result.tail[-64:] or call.result.head[-64:]
             ):
-                _settle(call.done, "done")
-            if call.stdout.total + call.stderr.total > self.limits.output_bytes and not call.done.done():
+                call.marker = True
+                if call.sent:  # a marker forged before its request arrived ends nothing
+                    _settle(call.done, "done")
+            # the result pipe counts too: whatever the cell writes is read by this process
+            written = call.stdout.total + call.stderr.total + call.result.total
+            if written > self.limits.output_bytes and not call.done.done():
                 call.killed = "output"
                 _settle(call.done, "output")
 
@@ -197,11 +239,14 @@ class Session:
         ):
             loop.add_reader(fd, reader, fd, sink)
         loop.add_reader(self.child.pidfd, _settle, call.done, "exited")
+        loop.add_writer(self.child.request, writer)
 
     def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
         for fd in (self.child.stdout, self.child.stderr, self.child.result, self.child.pidfd):
             if fd >= 0:
                 loop.remove_reader(fd)
+        if self.child.request >= 0:
+            loop.remove_writer(self.child.request)
 
     def _pause(self) -> None:
         """Between cells nothing of the session runs: not a thread a cell left spinning, not a cell
@@ -216,43 +261,43 @@ class Session:
             signal.pidfd_send_signal(self.child.pidfd, signal.SIGKILL)  # pid 1: its whole namespace goes
 
     async def _wait_exit(self) -> None:
+        if self.exited or self.child.pidfd < 0:
+            return
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(self.child.pidfd, _settle, exited, "exited")
         try:
-            await asyncio.wait_for(exited, 30)
+            await asyncio.wait_for(exited, EXIT_WAIT_S)
+            self.exited = True
         except TimeoutError:
             pass
         finally:
             loop.remove_reader(self.child.pidfd)
 
     async def close(self, reason: str = "it was closed") -> None:
-        """End the session (EOF on its request pipe, then SIGKILL) and free everything it held."""
-        async with self._lock:
-            if self.child.pidfd < 0:
-                return
-            if self.lost is None:
-                self.lost = reason
-            self._kill()
-            await self._wait_exit()
-            self.child.close()
-            # the fork server reaps the process; its cgroup can go once it is empty
-            for _ in range(100):
-                cgroups.remove_slot_cgroups([self.cgroup])
-                if not any(os.path.isdir(d) for d in self.cgroup.dirs()):
-                    break
-                await asyncio.sleep(0.01)
+        """End the session and free everything it held: SIGKILL first, so a running cell (or one
+        stuck writing its request) ends at once; nothing here waits for the session's lock."""
+        if self.lost is None:
+            self.lost = reason
+        if self.child.pidfd < 0:
+            return
+        self._kill()
+        with contextlib.suppress(TimeoutError):  # a running exchange sees the exit and lets go
+            await asyncio.wait_for(self._quiet.wait(), EXIT_WAIT_S)
+        await self._wait_exit()
+        self.child.close()
+        self.cgroup.close()
+        # the fork server reaps the process; its cgroup can go once it is empty
+        for _ in range(100):
+            cgroups.remove_slot_cgroups([self.cgroup])
+            if not any(os.path.isdir(d) for d in self.cgroup.dirs()):
+                break
+            await asyncio.sleep(0.01)
 
 
 def _settle(future: asyncio.Future, value: str) -> None:
     if not future.done():
         future.set_result(value)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _drain(fd: int, sink: StreamCapture) -> None:
@@ -267,7 +312,7 @@ def _drain(fd: int, sink: StreamCapture) -> None:
         sink.feed(data)
 
 
-def _gone(why: str) -> ExecResult:
+def gone(why: str) -> ExecResult:
     return ExecResult(
         Status.RUNTIME_ERROR,
         message=f"this Python session is gone ({why}): its variables are lost; open a new session",

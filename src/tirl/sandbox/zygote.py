@@ -313,9 +313,12 @@ def main() -> None:
                 session.close()
                 framing.write_frame(ctl_out, {"session": True, "recycle": False})
                 continue
-            except Exception as exc:
-                framing.write_frame(ctl_out, {"session": False, "error": repr(exc), "recycle": True})
-                break
+            except Exception as exc:  # a refused fork leaves the fork server (and its sessions) serving
+                gone = isinstance(exc, forkserver.ForkServerGone | OSError)
+                framing.write_frame(ctl_out, {"session": False, "error": repr(exc), "recycle": gone})
+                if gone:
+                    break
+                continue
         try:
             result = serve_call(plan, child, req, server)
             child = forkserver.receive(server)
