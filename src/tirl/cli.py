@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 
 import typer
 
 from tirl.data.decontaminate import IGNORE_COMMON, NGRAM
+from tirl.lifetime import quiet_third_party
 
 # transformers draws a progress bar for every model load and save (every checkpoint); tirl prints its own.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -23,6 +26,17 @@ data_app = typer.Typer(no_args_is_help=True, help="Prepare and filter training p
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
+
+VERBOSE = typer.Option(
+    False,
+    "--verbose",
+    help="Also show the warnings of vLLM, Ray, torch and other libraries (default: tirl's own).",
+)
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """A command that runs models prints tirl's lines only, unless --verbose (tirl.lifetime)."""
+    quiet_third_party(verbose)
 
 
 # ---- sandbox (tirl.sandbox) ----
@@ -76,9 +90,24 @@ def sandbox_serve(
         ),
     }
     try:
+        _check_port(host, port)
         serve(host, port, token, allowed_hosts=allow_host, **options)
-    except ValueError as exc:  # limits beyond the machine: one line saying what to change
-        raise typer.BadParameter(str(exc)) from None
+    except ValueError as exc:  # limits beyond the machine, a port in use: one line saying what to change
+        _fail(exc)
+
+
+def _check_port(host: str, port: int) -> None:
+    """A ValueError naming --port when it cannot be bound (the web server would log a multi-line error)."""
+    import errno
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind((host, port))
+    except OSError as e:
+        what = "the port is in use: choose another --port" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ValueError(f"--host {host} --port {port}: {what}") from None
 
 
 @sandbox_app.command("bench")
@@ -185,8 +214,10 @@ def eval_command(
     gpus_per_engine: float = typer.Option(
         0.0, "--gpus-per-engine", min=0.0, help="--cluster ray: GPUs per engine actor."
     ),
+    verbose: bool = VERBOSE,
 ) -> None:
     """Run the agent k times on every problem; write avg@k pass@1, pass@k, maj@k and tool statistics."""
+    quiet_libraries(verbose)
     from tirl.config import ConfigError, ensure_writable_dir, load_config
     from tirl.data import DataError
     from tirl.engines.config import EngineConfig
@@ -194,7 +225,8 @@ def eval_command(
     from tirl.eval.commands import eval_cluster, load_benchmarks, run_eval
     from tirl.eval.config import EvalConfig, with_model_agent
     from tirl.reward import RewardConfig
-    from tirl.rl.checkpoint import resolve_model_path
+    from tirl.rl.checkpoint import agent_settings_warning, resolve_model_path
+    from tirl.runtime.ray_cluster import ClusterError
 
     flags = {"samples": samples, "temperature": temperature, "top_p": top_p, "max_turns": max_turns}
     flags |= {"max_tokens": max_tokens, "seed": seed}
@@ -214,15 +246,32 @@ def eval_command(
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         _fail(e)
     typer.echo(source, err=True)
+    _warn_agent_settings(agent_settings_warning(model, cfg.agent_config()))
     try:
+        _start_ray(cluster_cfg, num_engines)
         run_eval(
             engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len,
             cluster=cluster_cfg, tokenizer=tokenizer,
         )  # fmt: skip
-    except ConfigError as e:  # a prompt longer than --max-model-len (checked before any rollout)
+    except (ConfigError, ClusterError) as e:  # e.g. a prompt longer than --max-model-len
         _fail(e)
     except KeyboardInterrupt:  # run_eval said what was kept
         raise typer.Exit(130) from None
+
+
+def _warn_agent_settings(warning: str | None) -> None:
+    if warning:
+        typer.echo(warning, err=True)
+
+
+def _start_ray(cluster, num_engines: int, trainer_ranks: int = 0) -> None:
+    """backend=ray: join the cluster (or start a private Ray with the logical CPUs the actors need)
+    and check it can hold them, before anything starts (tirl.runtime.ray_cluster)."""
+    if cluster.backend != "ray":
+        return
+    from tirl.runtime.ray_cluster import check_cluster_cpus, connect
+
+    check_cluster_cpus(connect(cluster, num_engines, trainer_ranks), cluster, num_engines, trainer_ranks)
 
 
 def _agent_file(path: str):
@@ -256,14 +305,16 @@ def chat_command(
     engine: str = typer.Option("hf", "--engine", help="hf or vllm."),
     device: str = typer.Option("auto", "--device"),
     sandbox_endpoint: list[str] = typer.Option([], "--sandbox-endpoint", help="Remote sandbox URL; repeat."),
+    verbose: bool = VERBOSE,
 ) -> None:
     """Talk to the agent: type a problem, watch its reasoning, tool calls and tool results. Ctrl-D exits."""
+    quiet_libraries(verbose)
     from tirl.config import ConfigError
     from tirl.engines.config import EngineConfig
     from tirl.eval.chat import CONTEXT_FOR_PROMPT, chat
     from tirl.eval.commands import sandbox_config
     from tirl.eval.config import EvalConfig, with_model_agent
-    from tirl.rl.checkpoint import resolve_model_path
+    from tirl.rl.checkpoint import agent_settings_warning, resolve_model_path
 
     try:
         model = resolve_model_path(model)
@@ -274,6 +325,7 @@ def chat_command(
         _fail(e)
     agent_cfg = cfg.agent_config()
     typer.echo(source, err=True)
+    _warn_agent_settings(agent_settings_warning(model, agent_cfg))
     engine_cfg = EngineConfig(
         backend=engine, model=model, device=device,
         max_model_len=agent_cfg.max_response_tokens + CONTEXT_FOR_PROMPT,
@@ -301,32 +353,49 @@ def _echo_main(text: str) -> None:
 def train(
     ctx: typer.Context,
     config: str = typer.Option(
-        ..., "--config", "-c", help="TrainConfig YAML (e.g. configs/rstar2/train.yaml)."
+        ..., "--config", "-c", help="TrainConfig YAML (e.g. src/tirl/configs/rstar2/train.yaml)."
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue the run from its latest checkpoint."),
     progress: bool = typer.Option(True, "--progress/--quiet", help="Print one line per step."),
+    verbose: bool = VERBOSE,
 ) -> None:
-    """Agentic RL with GRPO-RoC (multi-stage). Extra `key.path=value` arguments override the config.
+    """Agentic RL with GRPO-RoC (multi-stage). Extra `key.path=value` arguments override the config;
+    a number picks a list entry: stages.0.steps=3.
 
     Multi-GPU/multi-process: torchrun --nproc_per_node=N -m tirl.cli train --config ...
     """
     from tirl.rl.config import TrainConfig
+    from tirl.rl.preflight import preflight_train
     from tirl.rl.trainer import run_training
 
-    _run_from_config("train", TrainConfig, run_training, config, ctx.args, resume, progress)
+    quiet_libraries(verbose)
+    _run_from_config(
+        "train", TrainConfig, run_training, config, ctx.args, resume, progress, check=preflight_train
+    )
 
 
 def _run_from_config(
-    command: str, model, runner, config: str, overrides: list[str], resume: bool, progress: bool
+    command: str,
+    model,
+    runner,
+    config: str,
+    overrides: list[str],
+    resume: bool,
+    progress: bool,
+    check: Callable[..., list[str]] | None = None,
 ) -> None:
-    """Load a YAML config with dotted overrides and run a training job on it; config errors exit 2."""
+    """Load a YAML config with dotted overrides and run a training job on it; config errors exit 2.
+    `check(cfg, resume)` finds what the config alone decides before anything starts; its warnings print."""
     from tirl.config import ConfigError, load_config
+    from tirl.runtime.ray_cluster import ClusterError
 
     cfg = None
     try:
         cfg = load_config(model, config, overrides)
+        for warning in check(cfg, resume) if check else []:
+            typer.echo(warning, err=True)
         run_dir = runner(cfg, resume=resume, progress=progress)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, ClusterError) as e:
         _fail(e)
     except KeyboardInterrupt:
         if cfg is not None:
@@ -352,18 +421,37 @@ def _interrupted(cfg, command: str, config: str, overrides: list[str]) -> None:
 @app.command("sft", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
 def sft(
     ctx: typer.Context,
-    config: str = typer.Option(..., "--config", "-c", help="SFTConfig YAML (e.g. configs/rstar2/sft.yaml)."),
+    config: str = typer.Option(
+        ..., "--config", "-c", help="SFTConfig YAML (e.g. src/tirl/configs/rstar2/sft.yaml)."
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue the run from its latest checkpoint."),
     progress: bool = typer.Option(True, "--progress/--quiet", help="Print one line per step."),
+    verbose: bool = VERBOSE,
 ) -> None:
-    """Supervised fine-tuning on chat JSONL (loss on assistant tokens). Extra `key=value` override the config."""
+    """Supervised fine-tuning on chat JSONL (loss on assistant tokens). Extra `key.path=value` arguments
+    override the config; a number picks a list entry: data.0=FILE."""
     from tirl.rl.config import SFTConfig
     from tirl.rl.sft import run_sft
 
+    quiet_libraries(verbose)
     _run_from_config("sft", SFTConfig, run_sft, config, ctx.args, resume, progress)
 
 
-@app.command("demo", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
+class _DemoCommand(typer.core.TyperCommand):
+    """`tirl demo --help` lists demo.yaml's knobs with their defaults, read from the config model when
+    the help is shown (importing the demo at start-up would slow every `tirl` command)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        from tirl.demo.pipeline import knobs_help
+
+        if not getattr(self, "_knobs_listed", False):
+            self.help, self._knobs_listed = f"{self.help}\n\n{knobs_help()}", True
+        super().format_help(ctx, formatter)
+
+
+@app.command(
+    "demo", cls=_DemoCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": False}
+)
 def demo(
     ctx: typer.Context,
     out: str = typer.Option(
@@ -376,14 +464,17 @@ def demo(
         1, "--seeds", help="RL runs per algorithm (from one SFT model); mean and 95% interval."
     ),
     progress: bool = typer.Option(True, "--progress/--quiet"),
+    verbose: bool = VERBOSE,
 ) -> None:
     """The tiny CPU experiment: SFT -> held-out eval -> GRPO-RoC -> eval -> report (minutes on 2 cores).
 
-    Extra `section.key=value` arguments override configs/demo/<section>.yaml, e.g. demo.rl_steps=5.
+    Extra `section.key=value` arguments override src/tirl/configs/demo/<section>.yaml (sections: demo,
+    agent, drills, sft, train, eval), e.g. demo.rl_steps=5 or train.stages.0.steps=5.
     """
     from tirl.config import ConfigError
     from tirl.demo import DemoError, run_demo
 
+    quiet_libraries(verbose)
     try:
         run_demo(out, compare=compare, overrides=ctx.args, progress=progress, seeds=seeds)
     except (ConfigError, DemoError) as e:
@@ -480,12 +571,14 @@ def data_filter_hard(
     from tirl.data import DataError
     from tirl.rl.config import TrainConfig
     from tirl.rl.hard import filter_hard
+    from tirl.runtime.ray_cluster import ClusterError
 
     try:
         base = [f"model={checkpoint}"] + ([] if config else [f"stages=[{{steps: 1, data: {data!r}}}]"])
         cfg = load_config(TrainConfig, config, base + ctx.args)
+        _start_ray(cfg.cluster, cfg.engine.num_engines)
         result = filter_hard(cfg, checkpoint, data, k, out)
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, DataError, FileNotFoundError, ValueError, ClusterError) as e:
         _fail(e)
     typer.echo(result.summary())
     typer.echo(f"wrote {result.kept} problems to {out}")
@@ -513,15 +606,38 @@ def view_command(
     if serve:
         from tirl.view.serve import serve as serve_page
 
-        serve_page(page, host, port, lambda url: typer.echo(f"serving {url} (Ctrl-C stops)"))
+        try:
+            serve_page(page, host, port, lambda url: typer.echo(f"serving {url} (Ctrl-C stops)"))
+        except ViewError as e:  # the port is in use
+            _fail(e)
 
 
 def main() -> None:
-    """The `tirl` console script: the children it starts die with it, and Ctrl-C reaches it alone."""
+    """The `tirl` console script: the children it starts die with it, and Ctrl-C reaches it alone.
+    Usage errors print as tirl's other errors do: one `error:` line and where to read more."""
     from tirl.lifetime import children_die_with_me
 
     children_die_with_me()
-    app()
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:  # Ctrl-C at a prompt
+        code = 130
+    except typer.TyperException as e:  # typer's (vendored click's) usage errors
+        code = _usage_error(e)
+    sys.exit(code or 0)
+
+
+def _usage_error(e: Exception) -> int:
+    """A missing or unknown option, a bad value: one `error:` line naming the command's --help;
+    a group run without a command (`tirl`, `tirl data`) prints its help."""
+    ctx = getattr(e, "ctx", None)
+    if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+        typer.echo(ctx.get_help())
+        return 0
+    message = (e.format_message() if hasattr(e, "format_message") else str(e)).rstrip(".")
+    hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    typer.echo(f"error: {message[:1].lower()}{message[1:]}{hint}", err=True)
+    return getattr(e, "exit_code", 2)
 
 
 if __name__ == "__main__":

@@ -43,15 +43,18 @@ class DemoError(RuntimeError):
 class DemoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    preset: str = "demo"
-    seed: int = 0
-    sft_problems: int = Field(2800, ge=1)
-    rl_problems: int = Field(2000, ge=1)
-    heldout_problems: int = Field(96, ge=1)
-    rl_steps: int = Field(30, ge=1)
-    drill_steps: int = Field(300, ge=0)  # stage 0a: SFT steps on copy drills alone (drills.yaml)
-    copy_drills: int = Field(0, ge=0)  # drills mixed into the trace SFT
-    traces: TraceMix = TraceMix()
+    # The descriptions are `tirl demo --help`'s list of knobs (knobs_help).
+    preset: str = Field("demo", description="tiny model preset (tirl model init --preset)")
+    seed: int = Field(0, description="seed of the data, the model and the first RL run")
+    sft_problems: int = Field(2800, ge=1, description="synthetic problems turned into SFT traces")
+    rl_problems: int = Field(2000, ge=1, description="other synthetic problems for RL")
+    heldout_problems: int = Field(96, ge=1, description="held-out problems, evaluated before and after RL")
+    rl_steps: int = Field(30, ge=1, description="GRPO-RoC steps")
+    drill_steps: int = Field(
+        300, ge=0, description="SFT steps on copy drills before the traces (drills.yaml)"
+    )
+    copy_drills: int = Field(0, ge=0, description="copy drills mixed into the trace SFT")
+    traces: TraceMix = Field(TraceMix(), description="shares of the SFT trace kinds")
 
     @field_validator("preset")
     @classmethod
@@ -61,6 +64,22 @@ class DemoConfig(BaseModel):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         return preset
+
+
+def knobs_help(config_dir: str | Path = CONFIG_DIR) -> str:
+    """`tirl demo --help`'s list: every DemoConfig field as `demo.KEY=VALUE` with the value demo.yaml
+    gives it (validated by DemoConfig, so the list cannot drift from the model) and its description."""
+    demo = validate(DemoConfig, read_yaml(Path(config_dir) / "demo.yaml"), f" in {config_dir}")
+    lines = ["Knobs (demo.KEY=VALUE; the defaults are src/tirl/configs/demo/demo.yaml's):"]
+    for name, info in DemoConfig.model_fields.items():
+        value = getattr(demo, name)
+        if isinstance(value, BaseModel):  # a nested section: one knob per field
+            for sub in type(value).model_fields:
+                lines.append(f"demo.{name}.{sub}={getattr(value, sub)}: {info.description} ({sub})")
+        else:
+            lines.append(f"demo.{name}={value}: {info.description}")
+    others = ", ".join(f"{s}.KEY=VALUE ({s}.yaml)" for s in SECTIONS if s != "demo")
+    return "\n\n".join([*lines, f"The other sections: {others}."])
 
 
 @dataclass

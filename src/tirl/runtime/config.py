@@ -13,6 +13,8 @@ one needs and where the rest goes.
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -112,6 +114,48 @@ class ClusterConfig(_Strict):
                 f"cluster.colocate: cluster.engines.resources={e.resources} and cluster.trainer.resources="
                 f"{t.resources} differ, but a colocated engine and rank share one bundle: make them equal"
             )
+
+    def logical_cpus(self, num_engines: int, trainer_ranks: int = 0) -> float:
+        """The Ray logical CPUs a run's actors reserve (backend=ray): the engine actors, the trainer
+        workers, one sandbox service (on one machine: per_node), the reward actor. Logical CPUs are a
+        scheduling unit Ray counts, not cores: actors asking 1 each may share one core."""
+        need = num_engines * self.engines.num_cpus + trainer_ranks * self.trainer.num_cpus
+        return need + (self.sandbox.num_cpus if self.sandbox.per_node else 0.0) + self.reward_num_cpus
+
+    def private_ray_cpus(self, num_engines: int, trainer_ranks: int = 0) -> int:
+        """The logical CPUs of a Ray tirl starts here (address null): cluster.num_cpus when set, else
+        the cores or what the actors need, whichever is more (a 2-core machine runs a config asking for
+        5 actors of 1 CPU each: they take turns on the cores, as processes do)."""
+        if self.num_cpus is not None:
+            return self.num_cpus
+        return max(os.cpu_count() or 1, math.ceil(self.logical_cpus(num_engines, trainer_ranks) - 1e-9))
+
+    def check_private_cpus(self, num_engines: int, trainer_ranks: int = 0) -> None:
+        """ConfigError-worthy (ValueError) when cluster.num_cpus cannot hold the run's actors."""
+        need = self.logical_cpus(num_engines, trainer_ranks)
+        if (
+            self.backend == "ray"
+            and self.address is None
+            and self.num_cpus is not None
+            and need > self.num_cpus
+        ):
+            raise ValueError(
+                f"cluster.num_cpus={self.num_cpus} is fewer logical CPUs than the run's actors reserve "
+                f"({self.cpu_breakdown(num_engines, trainer_ranks)} = {need:g}): raise cluster.num_cpus to "
+                f"{math.ceil(need)} or drop it (tirl then gives its Ray what the actors need)"
+            )
+
+    def cpu_breakdown(self, num_engines: int, trainer_ranks: int = 0) -> str:
+        """`logical_cpus` spelled out with the settings that make it, for error messages."""
+        parts = [f"{num_engines} engines x cluster.engines.num_cpus={self.engines.num_cpus:g}"]
+        if trainer_ranks:
+            parts.append(
+                f"{trainer_ranks} trainer ranks x cluster.trainer.num_cpus={self.trainer.num_cpus:g}"
+            )
+        if self.sandbox.per_node:
+            parts.append(f"cluster.sandbox.num_cpus={self.sandbox.num_cpus:g} per node")
+        parts.append(f"cluster.reward_num_cpus={self.reward_num_cpus:g}")
+        return " + ".join(parts)
 
     @property
     def colocated(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,14 +25,16 @@ from typing import Any
 from tirl.runtime.config import ClusterConfig, Resources, require_ray
 
 READY_TIMEOUT_S = 300.0  # placement groups and actors (loading a model) must be up within this
+NOTICE_AFTER_S = 10.0  # a placement group not placed by then: say that tirl waits for it, and why
 
 
 class ClusterError(RuntimeError):
     """The Ray cluster cannot run what the config asks for; the message says what and why."""
 
 
-def connect(cluster: ClusterConfig):
-    """Join cluster.address (or start a private Ray here when it is null); returns the ray module."""
+def connect(cluster: ClusterConfig, num_engines: int = 1, trainer_ranks: int = 0):
+    """Join cluster.address (or start a private Ray here when it is null, with the logical CPUs that
+    `num_engines` engine actors and `trainer_ranks` trainer workers need); returns the ray module."""
     ray = require_ray()
     if ray.is_initialized():
         return ray
@@ -41,7 +44,7 @@ def connect(cluster: ClusterConfig):
         "log_to_driver": True,
     }
     if cluster.address is None:
-        ray.init(num_cpus=cluster.num_cpus, **options)
+        ray.init(num_cpus=cluster.private_ray_cpus(num_engines, trainer_ranks), **options)
         return ray
     if cluster.address != "auto":
         host, _, port = cluster.address.rpartition(":")
@@ -76,6 +79,23 @@ def check_resources(ray, what: str, bundle: dict[str, float], count: int) -> Non
                 f"cluster.{what}: {count} actors x {amount:g} {key!r} = {amount * count:g}, but the Ray "
                 f"cluster has {sum(have):g} {key!r} in all"
             )
+
+
+def check_cluster_cpus(ray, cluster: ClusterConfig, num_engines: int, trainer_ranks: int) -> None:
+    """Fail at once, naming the settings, when the run's actors ask for more logical CPUs than the
+    whole Ray cluster has: Ray would keep the last of them pending forever."""
+    check_resources(ray, "engines", cluster.engines.as_bundle(), num_engines)  # per actor first: the
+    if trainer_ranks:  # sharper message when one actor alone is too large for any node
+        check_resources(ray, "trainer", cluster.trainer.as_bundle(), trainer_ranks)
+    need = cluster.logical_cpus(num_engines, trainer_ranks)
+    have = sum(n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive"))
+    if need > have + 1e-9:
+        where = "this machine's Ray (cluster.num_cpus)" if cluster.address is None else "the Ray cluster"
+        raise ClusterError(
+            f"the run's actors reserve {need:g} logical CPUs ({cluster.cpu_breakdown(num_engines, trainer_ranks)}) "
+            f"but {where} has {have:g}: lower those settings (fractions are fine: logical CPUs are a "
+            "scheduling unit, not cores), or add CPUs (`ray start --num-cpus N`)"
+        )
 
 
 async def await_scheduled(ray, actors: list[Any], key: str, num_cpus: float) -> None:
@@ -148,7 +168,15 @@ def _placement_group(ray, what: str, bundle: dict[str, float], count: int, strat
 
     check_resources(ray, what, bundle, count)
     pg = placement_group([dict(bundle) for _ in range(count)], strategy=strategy)
-    ready, _ = ray.wait([pg.ready()], timeout=READY_TIMEOUT_S)
+    ready, _ = ray.wait([pg.ready()], timeout=NOTICE_AFTER_S)
+    if not ready:  # say why nothing happens: the resources exist, other work holds them
+        print(
+            f"waiting up to {READY_TIMEOUT_S:g} s for the Ray cluster to free {count} x {bundle} for "
+            f"cluster.{what} (held by other work)",
+            file=sys.stderr,
+            flush=True,
+        )
+        ready, _ = ray.wait([pg.ready()], timeout=READY_TIMEOUT_S - NOTICE_AFTER_S)
     if not ready:
         ray.util.remove_placement_group(pg)
         raise ClusterError(
@@ -162,7 +190,8 @@ def _placement_group(ray, what: str, bundle: dict[str, float], count: int, strat
 def open_placement(cluster: ClusterConfig, num_engines: int, trainer_ranks: int = 0) -> Iterator[Placement]:
     """Reserve the bundles of `num_engines` engine actors and `trainer_ranks` trainer workers
     (cluster.colocate: shared, one per rank; else separate groups); released on exit."""
-    ray = connect(cluster)
+    ray = connect(cluster, num_engines, trainer_ranks)
+    check_cluster_cpus(ray, cluster, num_engines, trainer_ranks)
     groups: list[Any] = []
     try:
         if cluster.colocate and trainer_ranks:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,7 +26,20 @@ def make_server(page: Path, host: str = "127.0.0.1", port: int = 8765) -> Thread
         def log_message(self, *args) -> None:  # quiet: the terminal shows the URL, not every request
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    try:
+        return ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:  # one line saying what to change, like tirl's other errors
+        from tirl.view.records import ViewError
+
+        busy = e.errno == errno.EADDRINUSE
+        raise ViewError(
+            f"--host {host} --port {port}: "
+            + (
+                "the port is in use: choose another --port (0 picks a free one)"
+                if busy
+                else f"cannot serve there ({e.strerror})"
+            )
+        ) from None
 
 
 def serve(page: Path, host: str, port: int, announce: Callable[[str], None]) -> None:
