@@ -1,6 +1,8 @@
-"""The vLLM backend on the tiny model: token ids in/out, stops, logprobs, capacity, weight sync.
+"""The vLLM backend on the tiny model: token ids in/out, stops, logprobs, capacity, weight sync
+(in-process flat buffer, and the sync group inside the worker with merged layers split over buckets).
 
-One engine per module (vLLM start-up on CPU takes ~30-40 s); tests run in order on it.
+One engine per module (vLLM start-up on CPU takes ~30-40 s); tests run in order on it. It runs with
+the Ray runtime's worker extension (a sync-group receiver next to the in-place reload).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def engine(tiny_model_dir):
     from tirl.engines.vllm import VLLMEngine
 
     eng = VLLMEngine(
-        EngineConfig(backend="vllm", model=str(tiny_model_dir), kv_cache_gb=0.02, max_model_len=1024)
+        EngineConfig(backend="vllm", model=str(tiny_model_dir), kv_cache_gb=0.02, max_model_len=1024),
+        worker_extension="tirl.runtime.ray.SyncWorkerExtension",
     )
     yield eng
     asyncio.run(eng.close())
@@ -140,6 +143,79 @@ async def test_weight_sync_changes_logprobs_to_the_synced_model(engine, prompt, 
     old_under_new = reference_logprobs(model, prompt, before.token_ids)
     assert (old_under_new - torch.tensor(before.logprobs)).abs().max() > 1e-2
     assert not engine.sleep()  # CPU: vLLM sleep mode is unavailable, reported rather than faked
+
+
+def _perturbed(tiny_model_dir, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+async def test_a_merged_layer_split_over_reload_calls_is_corrupted(engine, prompt, tiny_model_dir):
+    """The bug a per-bucket reload had, reproduced with vLLM's own reload: gate_proj alone in one
+    call leaves gate_up_proj's other half uninitialised. Every tirl sync is one call for that reason."""
+    model = _perturbed(tiny_model_dir, seed=1)
+    from tirl.engines.vllm import flat_plan
+
+    gate = [("model.layers.0.mlp.gate_proj.weight", model.model.layers[0].mlp.gate_proj.weight)]
+    plan, nbytes = flat_plan(gate, engine.dtype)
+    await asyncio.to_thread(engine._load_shm, gate, plan, nbytes)  # one reload call with half a layer
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
+    broken = await engine.generate(prompt, params)
+    engine.load_weights(model.named_parameters())  # the whole model in one call repairs it
+    fixed = await engine.generate(prompt, params)
+    ref = reference_logprobs(model, prompt, broken.token_ids)
+    assert not torch.allclose(torch.tensor(broken.logprobs), ref, atol=1e-2)
+    ref = reference_logprobs(model, prompt, fixed.token_ids)
+    torch.testing.assert_close(torch.tensor(fixed.logprobs), ref, atol=1e-4, rtol=0)
+
+
+async def test_sync_group_in_the_worker_with_every_tensor_in_its_own_bucket(engine, prompt, tiny_model_dir):
+    """The Ray path without Ray: this process is trainer rank 0, the vLLM worker joins the group
+    (gloo standing in for NCCL), and q/k/v and gate/up arrive in separate buckets (whole layers are
+    the planner's default; splitting them is the worst case for the receiver). Two syncs reuse the
+    group; both match the transformers reference; each end shuts the group down."""
+    from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port, send_weights
+
+    group = SyncGroup("127.0.0.1", free_port(), 2, "gloo", timeout_s=120)
+    joined = asyncio.to_thread(engine.join_sync_group, group.as_dict(), 1)
+    channel, _ = await asyncio.gather(asyncio.to_thread(SyncChannel, group, 0), joined)
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=5)
+    try:
+        for seed in (2, 3):
+            model = _perturbed(tiny_model_dir, seed)
+            send = asyncio.to_thread(
+                send_weights, model, channel.pg, 1, torch.device("cpu"), engine.dtype, whole_layers=False
+            )
+            stats, received = await asyncio.gather(send, asyncio.to_thread(engine.receive_sync))
+            assert stats["sync/buckets"] == len(list(model.parameters())) and received > 0
+            out = await engine.generate(prompt, params)
+            ref = reference_logprobs(model, prompt, out.token_ids)
+            torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+    finally:
+        await asyncio.to_thread(engine.leave_sync_group)
+        channel.close()
+    assert channel.pg is None
+    with pytest.raises(Exception, match="tirl_join"):  # the worker left: no stale group to receive on
+        await asyncio.to_thread(engine.receive_sync)
+
+
+async def test_flat_transfer_needs_room_and_says_so(engine, tiny_model_dir, monkeypatch, tmp_path):
+    import shutil
+
+    from tirl.engines import vllm
+
+    model = _perturbed(tiny_model_dir, seed=4)
+    monkeypatch.setenv("TIRL_WEIGHTS_DIR", str(tmp_path))
+    full = shutil.disk_usage(tmp_path)._replace(free=1000)
+    monkeypatch.setattr(vllm.shutil, "disk_usage", lambda _: full)
+    with pytest.raises(OSError, match=r"GiB in .* are free.*TIRL_WEIGHTS_DIR"):
+        engine.load_weights(model.named_parameters())
 
 
 async def test_scheduler_admits_by_vllm_free_kv(engine, prompt):

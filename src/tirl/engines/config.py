@@ -7,10 +7,26 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class RemoteServers(BaseModel):
+    """engine.backend=remote: inference servers started elsewhere (`vllm serve`, SGLang), one engine per URL."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    urls: list[str] = Field(default_factory=list)  # e.g. ["http://10.0.0.5:8000"]
+    api: Literal["vllm", "sglang"] = "vllm"  # which server speaks at the URLs
+    served_model: str = ""  # the name the server serves the model under ("": ask its /v1/models)
+    api_key: str | None = None  # sent as a Bearer token (else $TIRL_ENGINE_API_KEY when set)
+    weights_dir: str = ""  # storage both sides see: load_weights writes there, the servers reload it
+    start_timeout_s: float = Field(600.0, gt=0)  # wait this long for every server to answer /health
+    request_timeout_s: float = Field(3600.0, gt=0)  # one turn's generation
+    poll_s: float = Field(1.0, gt=0)  # KV usage and health polled this often
+    down_cooldown_s: float = Field(5.0, ge=0)  # a failed server is probed again after this
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm", "remote", "sglang"] = "hf"  # remote: servers at engine.remote.urls
     model: str = ""  # local path (or hub id for users with internet)
     num_engines: int = 1  # > 1: trajectories are spread by tirl.engines.scheduler
     scheduler: Literal["dynamic", "static"] = "dynamic"  # dynamic = KV-cache-aware (the paper)
@@ -26,6 +42,8 @@ class EngineConfig(BaseModel):
     max_batch_size: int = 64  # hf: sequences decoded together
     gpu_memory_utilization: float = 0.5  # vllm on CUDA
     kv_cache_gb: float = 1.0  # vllm on CPU (VLLM_CPU_KVCACHE_SPACE)
+    tensor_parallel_size: int = Field(1, ge=1)  # vllm on CUDA: GPUs per engine (a 32B model in bf16)
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False  # vllm colocated with the trainer: free memory while training
     seed: int = 0
+    remote: RemoteServers = Field(default_factory=RemoteServers)

@@ -3,8 +3,18 @@
 AsyncLLM always runs its engine core in a child process, and its client is bound to the event loop
 that created it. We give each engine its own event-loop thread, so one engine serves callers on any
 loop (pytest's per-test loops, the trainer's loop) and `load_weights` can stay synchronous, as the
-Engine protocol wants. Weights cross the process boundary as one safetensors file in shared memory,
-loaded inside the worker by vLLM's own in-place `reload_weights` (see `WeightSyncExtension`).
+Engine protocol wants.
+
+Weight sync, exact and atomic: every sync is ONE call into the worker and ONE vLLM in-place
+`reload_weights` over all of its tensors (`WeightSyncExtension.tirl_reload`). vLLM's layer-wise reload
+finishes a layer when all of its elements arrived; a reload call that gets only part of a merged
+parameter (gate_proj without up_proj) fills the rest with uninitialised memory, so weights must never
+be split over reload calls. The worker runs RPCs between engine steps, so no step ever sees a
+half-updated model; the prefix cache is reset once per sync. Transport into the worker:
+  - in-process trainer (`load_weights`): one flat buffer in the engine's dtype, shared with the worker
+    (CUDA IPC handle on GPU, a /dev/shm file mapped without a copy on CPU);
+  - a sync group (the `ray` runtime): the worker itself joins a persistent NCCL/gloo group and streams
+    the buckets into the reload (tirl.distributed.weight_sync.WorkerReceiver, via `worker_extension`).
 """
 
 from __future__ import annotations
@@ -13,11 +23,12 @@ import asyncio
 import itertools
 import logging
 import os
+import pickle
+import shutil
 import tempfile
 import threading
 from collections.abc import Coroutine, Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -46,20 +57,90 @@ def require_vllm() -> None:
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
 
 
+# One tensor of a flat transfer buffer: (name, shape, dtype name, byte offset), plain values that
+# vLLM's RPC encoder carries without pickling.
+FlatEntry = tuple[str, list[int], str, int]
+ALIGN = 64  # bytes: a dtype view of the buffer must start at a multiple of its element size
+_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def flat_plan(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[list[FlatEntry], int]:
+    """Where each tensor goes in one flat byte buffer, floating ones in the engine's `dtype`."""
+    plan, offset = [], 0
+    for name, t in tensors:
+        wire = dtype if t.dtype.is_floating_point else t.dtype
+        plan.append((name, list(t.shape), str(wire).removeprefix("torch."), offset))
+        offset += -(-t.numel() * wire.itemsize // ALIGN) * ALIGN  # every view starts aligned
+    return plan, offset
+
+
+def pack_flat(tensors: list[tuple[str, torch.Tensor]], plan: list[FlatEntry], buf: torch.Tensor) -> None:
+    """Each tensor cast into its slot of `buf` (uint8): the one copy the trainer side makes."""
+    for (_, t), (_, shape, dtype, offset) in zip(tensors, plan, strict=True):
+        n = t.numel() * _DTYPES[dtype].itemsize
+        buf[offset : offset + n].view(_DTYPES[dtype]).view(shape).copy_(t.detach())
+
+
+def unpack_flat(buf: torch.Tensor, plan: list[FlatEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views into `buf`, no copy."""
+    for name, shape, dtype, offset in plan:
+        n = max(1, int(torch.Size(shape).numel())) * _DTYPES[dtype].itemsize
+        yield name, buf[offset : offset + n].view(_DTYPES[dtype]).view(shape)
+
+
+def check_space(directory: str, nbytes: int) -> None:
+    """Fail before writing a transfer file that cannot fit (tmpfs fills silently, then SIGBUS)."""
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        raise OSError(
+            f"weight sync needs {nbytes / 2**30:.2f} GiB in {directory} for the transfer buffer but only "
+            f"{free / 2**30:.2f} GiB are free: enlarge it (docker run --shm-size, or mount -o remount,"
+            f"size=... {directory}) or set TIRL_WEIGHTS_DIR to a directory with room"
+        )
+
+
+def _transfer_dir() -> str:
+    shm = "/dev/shm"
+    return os.environ.get("TIRL_WEIGHTS_DIR") or (shm if os.path.isdir(shm) else tempfile.gettempdir())
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): loads a trainer's weights in place."""
 
-    def tirl_load_weights(self, path: str) -> int:
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            weights = [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118 (safe_open has no __iter__)
+    def tirl_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """ALL of one sync's tensors in one in-place reload (a merged parameter split over two reload
+        calls is half garbage); the number of tensors loaded."""
         runner = self.model_runner  # type: ignore[attr-defined]
-        if hasattr(runner, "reload_weights"):  # vLLM's supported in-place reload (>= 0.11)
-            runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        else:
-            runner.model.load_weights(weights=iter(weights))
-        return len(weights)
+        tied = bool(getattr(runner.model_config.hf_config, "tie_word_embeddings", False))
+        count = 0
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            head = False
+            for name, t in weights:
+                count += 1
+                head = head or name == "lm_head.weight"
+                yield name, t
+                if tied and not head and name.endswith("embed_tokens.weight"):
+                    # An in-place reload unties vLLM's output head from the embedding; a trainer's
+                    # parameter list names the tied tensor once, so the head would keep old weights.
+                    yield "lm_head.weight", t
+
+        runner.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        return count
+
+    def tirl_load_flat(self, path: str, nbytes: int, plan: list[FlatEntry]) -> int:
+        """A flat buffer the caller wrote to shared memory, mapped (not read) and reloaded."""
+        buf = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+        return self.tirl_reload(unpack_flat(buf, plan))
+
+    def tirl_load_ipc(self, handle: bytes, plan: list[FlatEntry]) -> int:
+        """A flat buffer on the caller's GPU, opened here through its CUDA IPC handle: no copy
+        besides the one into the parameters."""
+        rebuild, args = pickle.loads(handle)
+        args = list(args)
+        args[6] = torch.cuda.current_device()  # the caller's device index means another GPU here
+        return self.tirl_reload(unpack_flat(rebuild(*args), plan))
 
 
 class _KVStats:
@@ -117,10 +198,48 @@ def _dtype_name(cfg: EngineConfig, on_cpu: bool) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def engine_args(cfg: EngineConfig, on_cpu: bool, sleep: bool, worker_extension: str) -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs keywords for `cfg` (a pure function: tests check them against the
+    installed vLLM's signature without starting an engine)."""
+    kwargs: dict[str, Any] = {}
+    if on_cpu:
+        # Exact budget in bytes (VLLM_CPU_KVCACHE_SPACE only takes whole GiB).
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
+        kwargs["distributed_executor_backend"] = "uni"  # worker inside the engine-core process
+        # A prompt prefilled in chunks discards the token sampled after a partial chunk by rewinding
+        # the request's seeded generator, which CPU generators cannot do (the engine dies under
+        # load): prefill every prompt whole.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, CPU_BATCHED_TOKENS)
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.tensor_parallel_size > 1:  # one engine over several GPUs (32B in bf16 fits no one GPU)
+            kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+    return dict(
+        model=cfg.model,
+        dtype=_dtype_name(cfg, on_cpu),
+        max_model_len=cfg.max_model_len,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_sleep_mode=sleep,
+        seed=cfg.seed,
+        enforce_eager=on_cpu,
+        logprobs_mode="processed_logprobs",  # logprobs under the sampling distribution
+        disable_log_stats=False,  # feeds _KVStats (capacity, preemptions)
+        worker_extension_cls=worker_extension,
+        **kwargs,
+    )
+
+
 class VLLMEngine:
     """Engine protocol (tirl.engines.base) on vLLM: prefix caching, stop ids/strings, seeded sampling."""
 
-    def __init__(self, cfg: EngineConfig, name: str = "vllm0"):
+    def __init__(self, cfg: EngineConfig, name: str = "vllm0", worker_extension: str | None = None):
+        """`worker_extension`: a WeightSyncExtension subclass's qualified name (e.g. the Ray runtime's,
+        which adds a sync-group receiver); default WeightSyncExtension."""
         require_vllm()
         if not cfg.model:
             raise ValueError("engine.model is empty: set it to a model directory (e.g. `tirl model init`)")
@@ -128,6 +247,7 @@ class VLLMEngine:
 
         self.cfg = cfg
         self.name = name
+        self.worker_extension = worker_extension or _qualname(WeightSyncExtension)
         self.on_cpu = current_platform.is_cpu()
         self.sleep_supported = current_platform.is_sleep_mode_available()
         self._ids = itertools.count()
@@ -151,44 +271,20 @@ class VLLMEngine:
         self.max_model_len: int = self._llm.vllm_config.model_config.max_model_len
         hf_config = self._llm.vllm_config.model_config.hf_config
         self.tied_embeddings: bool = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.dtype: torch.dtype = self._llm.vllm_config.model_config.dtype  # what weights travel in
 
     # --- life cycle -------------------------------------------------------------------------------
     async def _start(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        cfg = self.cfg
-        sleep = cfg.enable_sleep_mode and self.sleep_supported
-        if cfg.enable_sleep_mode and not sleep:
+        sleep = self.cfg.enable_sleep_mode and self.sleep_supported
+        if self.cfg.enable_sleep_mode and not sleep:
             log.warning(
                 "%s: vLLM sleep mode is not available on this platform; weights stay resident", self.name
             )
-        kwargs: dict[str, Any] = {}
-        if self.on_cpu:
-            # Exact budget in bytes (VLLM_CPU_KVCACHE_SPACE only takes whole GiB).
-            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
-            kwargs["distributed_executor_backend"] = "uni"  # worker inside the engine-core process
-            # A prompt prefilled in chunks discards the token sampled after a partial chunk by rewinding
-            # the request's seeded generator, which CPU generators cannot do (the engine dies under
-            # load): prefill every prompt whole.
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, CPU_BATCHED_TOKENS)
-        else:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        args = AsyncEngineArgs(
-            model=cfg.model,
-            dtype=_dtype_name(cfg, self.on_cpu),
-            max_model_len=cfg.max_model_len,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_sleep_mode=sleep,
-            seed=cfg.seed,
-            enforce_eager=self.on_cpu,
-            logprobs_mode="processed_logprobs",  # logprobs under the sampling distribution
-            disable_log_stats=False,  # feeds _KVStats (capacity, preemptions)
-            worker_extension_cls=f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}",
-            **kwargs,
-        )
-        with _visible_gpu(cfg.device):
+        args = AsyncEngineArgs(**engine_args(self.cfg, self.on_cpu, sleep, self.worker_extension))
+        with _visible_gpu(self.cfg.device):
             return AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -263,50 +359,80 @@ class VLLMEngine:
 
     # --- weight sync ------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load the trainer's weights in place, then drop prefix-cache entries computed with old ones."""
-        from safetensors.torch import save_file
-
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, tensor in weights:
-            t = tensor.detach().to("cpu").contiguous()
-            if t.data_ptr() in seen:
-                t = t.clone()  # safetensors refuses shared storage (tied embeddings)
-            seen.add(t.data_ptr())
-            tensors[name] = t
+        """Load the trainer's weights in place (all in one reload), then drop prefix-cache entries
+        computed with the old ones. One flat buffer in the engine's dtype crosses into the worker."""
+        tensors = [(name, t) for name, t in weights]
         if not tensors:
             raise ValueError("load_weights() got no tensors")
-        embed = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
-        if self.tied_embeddings and embed and "lm_head.weight" not in tensors:
-            # An in-place reload unties vLLM's output head from the embedding; a trainer's parameter list
-            # names the tied tensor once, so the head would keep the old weights without this.
-            tensors["lm_head.weight"] = tensors[embed].clone()
-        shm = Path("/dev/shm")
-        with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None, prefix="tirl-weights-") as tmp:
-            path = os.path.join(tmp, "weights.safetensors")
-            save_file(tensors, path)
-            del tensors
-            self._call(self._sync(path))
+        plan, nbytes = flat_plan(tensors, self.dtype)
+        if not self.on_cpu and all(t.is_cuda for _, t in tensors):
+            self._load_ipc(tensors, plan, nbytes)
+        else:
+            self._load_shm(tensors, plan, nbytes)
 
-    async def _sync(self, path: str) -> None:
-        await self._llm.collective_rpc("tirl_load_weights", args=(path,))
+    def _load_shm(self, tensors: list[tuple[str, torch.Tensor]], plan: list[FlatEntry], nbytes: int) -> None:
+        directory = _transfer_dir()
+        check_space(directory, nbytes)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix="tirl-weights-") as f:
+            # The file itself is the buffer: packed into its mapping (one copy), mapped by the worker.
+            f.truncate(nbytes)
+            buf = torch.from_file(f.name, shared=True, size=nbytes, dtype=torch.uint8)
+            pack_flat(tensors, plan, buf)
+            del buf
+            self._call(self._sync("tirl_load_flat", (f.name, nbytes, plan)))
+
+    def _load_ipc(self, tensors: list[tuple[str, torch.Tensor]], plan: list[FlatEntry], nbytes: int) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0][1].device)
+        pack_flat(tensors, plan, buf)
+        torch.cuda.synchronize(buf.device)  # the worker reads it on another stream of another process
+        handle = pickle.dumps(reduce_tensor(buf))
+        self._call(self._sync("tirl_load_ipc", (handle, plan)))
+        del buf
+
+    async def _sync(self, method: str, args: tuple = ()) -> Any:
+        """One RPC that loads a whole sync, then one prefix-cache reset: the engine core runs RPCs
+        between steps, so no step samples from a partly updated model."""
+        results = await self._llm.collective_rpc(method, args=args)  # one per worker (tensor parallel)
         # Reset even running requests' cached blocks: they were computed with the old weights.
         await self._llm.reset_prefix_cache(reset_running_requests=True)
+        return results[0]
+
+    def join_sync_group(self, group: dict[str, Any], rank: int) -> None:
+        """The worker joins a persistent sync group (needs a `worker_extension` with a receiver, e.g.
+        tirl.runtime.ray's); `rank` is this engine's first rank (a tensor-parallel worker adds its own)."""
+        self._call(self._llm.collective_rpc("tirl_join", args=(group, rank)))
+
+    def receive_sync(self) -> int:
+        """One sync from the group, streamed into one reload inside the worker; the bytes received."""
+        return int(self._call(self._sync("tirl_receive")))
+
+    def leave_sync_group(self) -> None:
+        self._call(self._llm.collective_rpc("tirl_leave"))
 
     async def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (e.g. between two benchmark runs)."""
         await self._on_engine_loop(self._llm.reset_prefix_cache(reset_running_requests=True))
 
     # --- sleep mode (colocated trainer) -----------------------------------------------------------
-    def sleep(self) -> bool:
-        """Free weights + KV memory while the trainer runs; False where the platform cannot (e.g. CPU)."""
+    def sleep(self, discard_weights: bool = False) -> bool:
+        """Free weights + KV memory while the trainer runs; False where the platform cannot (e.g. CPU).
+        `discard_weights`: a sync rewrites every weight before the next generation, so do not keep a
+        host copy (level 2) and skip restoring it on wake."""
         if not (self.sleep_supported and self.cfg.enable_sleep_mode):
             return False
-        self._call(self._llm.sleep(level=1))
+        self._call(self._llm.sleep(level=2 if discard_weights else 1))
         self._sleeping = True
         return True
 
+    def wake_weights(self) -> None:
+        """The weights' memory back (and their contents, unless slept with discard_weights), not the
+        KV cache's: a sync writes into it while the trainer still holds its parameters."""
+        if self._sleeping:
+            self._call(self._llm.wake_up(tags=["weights"]))
+
     def wake_up(self) -> None:
         if self._sleeping:
-            self._call(self._llm.wake_up())
+            self._call(self._llm.wake_up())  # whatever is still asleep (the KV cache after wake_weights)
             self._sleeping = False

@@ -1,11 +1,15 @@
 """The trainer side on Ray: one TrainerWorker actor per training rank (cluster.trainer.ranks), all in
 one torch.distributed group (FSDP2; gloo on CPU, NCCL on GPU), driven through the Learner interface
-by the driver's rl_step, and the bucketed weight sync from rank 0 to the engine actors.
+by the driver's rl_step, and the bucketed weight sync from rank 0 to the engine actors over one
+persistent sync group (formed at the first sync, again only when the engines change, shut down at
+the end), in the engines' dtype.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.distributed.weight_sync import SyncGroup, free_port, send_weights
+from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port, send_weights
 from tirl.runtime.base import Runtime
 from tirl.runtime.ray import RemoteEngine
 from tirl.runtime.ray_cluster import ClusterError, Placement, connect, node_ip, whereabouts
@@ -50,14 +54,25 @@ class TrainerWorker:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.learner, method)(*args)
 
-    def send_weights(self, group: SyncGroup | None, bucket_bytes: int) -> dict[str, float]:
-        device = (
-            self.learner.policy.device
-            if group is not None and group.backend == "nccl"
-            else torch.device("cpu")
-        )
-        pg = group.join(0) if group is not None else None
-        return send_weights(self.learner.policy.model, pg, bucket_bytes, device)
+    def join_sync(self, group: SyncGroup) -> None:
+        """Rank 0: the source end of the persistent sync group."""
+        self.leave_sync()
+        self.channel = SyncChannel(group, 0)
+
+    def leave_sync(self) -> None:
+        channel = getattr(self, "channel", None)
+        if channel is not None:
+            channel.close()
+            self.channel = None
+
+    def send_weights(self, bucket_bytes: int, dtype: str | None) -> dict[str, float]:
+        """Every rank (the FSDP gathers are collectives); rank 0 sends through its channel."""
+        channel = getattr(self, "channel", None)
+        pg = channel.pg if channel is not None else None
+        on_gpu = channel is not None and channel.group.backend == "nccl"
+        device = self.learner.policy.device if on_gpu else torch.device("cpu")
+        wire = getattr(torch, dtype.removeprefix("torch.")) if dtype else None
+        return send_weights(self.learner.policy.model, pg, bucket_bytes, device, wire)
 
 
 class RayLearner:
@@ -65,6 +80,7 @@ class RayLearner:
 
     def __init__(self, workers: list, bucket_bytes: int, backend: str):
         self.workers, self.bucket_bytes, self.backend = workers, bucket_bytes, backend
+        self._group_key: list[str] | None = None  # the engines in the current sync group
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
@@ -82,19 +98,53 @@ class RayLearner:
         engines = [e for e in runtime.engines if isinstance(e, RemoteEngine)]
         if len(engines) != len(runtime.engines):
             raise ClusterError("backend=ray trains on Ray workers and needs engines from the ray runtime")
-        fleet = engines[0].fleet
-        host, port = ray.get(self.workers[0].address.remote())  # on trainer rank 0's node
-        members = fleet.sync_targets()
-        group = SyncGroup(host, port, 1 + len(members), self.backend)
-        sends = [
-            w.send_weights.remote(group if r == 0 else None, self.bucket_bytes)
-            for r, w in enumerate(self.workers)
-        ]
-        receives = [e.actor.receive_weights.remote(group, i + 1) for i, e in enumerate(members)]
+        members = engines[0].fleet.sync_targets()
+        formed = self._ensure_group(members)
+        dtype = members[0].dtype if members else None
+        sends = [w.send_weights.remote(self.bucket_bytes, dtype) for w in self.workers]
+        receives = [e.actor.receive_sync.remote() for e in members]
         stats = ray.get(sends)[0]
         ray.get(receives)
-        fleet.synced(members)
-        return stats | {"sync/engines": float(len(members))}
+        engines[0].fleet.synced(members)
+        return stats | {"sync/engines": float(len(members)), "sync/group_formed": float(formed)}
+
+    def _ensure_group(self, members: list[RemoteEngine]) -> bool:
+        """The sync group of trainer rank 0 and `members`, formed again only when they changed (a
+        revived engine is a new process); True when formed now."""
+        import ray
+
+        key = [e.name for e in members]
+        if key == self._group_key and not any(e.revived for e in members):
+            return False
+        self._leave(members)
+        host, port = ray.get(self.workers[0].address.remote())  # on trainer rank 0's node
+        group = SyncGroup(host, port, 1 + sum(e.ranks for e in members), self.backend)
+        ranks = itertools.accumulate((e.ranks for e in members), initial=1)
+        joins = [self.workers[0].join_sync.remote(group)]
+        joins += [e.actor.join_sync.remote(group, r) for e, r in zip(members, ranks, strict=False)]
+        ray.get(joins)  # all at once: the group's rendezvous waits for every member
+        self._group_key = key
+        return True
+
+    def _leave(self, members: list[RemoteEngine]) -> None:
+        """Every member's end of the old group shut down (engines that died took theirs along)."""
+        import ray
+
+        if self._group_key is None:
+            return
+        calls = [self.workers[0].leave_sync.remote()] + [e.actor.leave_sync.remote() for e in members if e.up]
+        for call in calls:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(call)
+        self._group_key = None
+
+    def close(self) -> None:
+        """Trainer rank 0's end of the sync group (the engines shut theirs as they close)."""
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.workers[0].leave_sync.remote())
+        self._group_key = None
 
     def reset_optimizer(self, total_steps: int) -> None:
         self._all("reset_optimizer", total_steps)
@@ -129,7 +179,11 @@ async def open_ray_learner(
         # NCCL refuses a group with two members on one GPU, which colocated rank 0 and engine 0 are:
         # colocated, the sync is staged through host memory over gloo (CUDA IPC would be the fast path).
         backend = "nccl" if cfg.cluster.trainer.num_gpus > 0 and not cfg.cluster.colocate else "gloo"
-        yield RayLearner(workers, int(cfg.cluster.weight_sync_bucket_mb * 2**20), backend)
+        learner = RayLearner(workers, int(cfg.cluster.weight_sync_bucket_mb * 2**20), backend)
+        try:
+            yield learner
+        finally:
+            learner.close()
     finally:
         for w in workers:
             ray.kill(w)

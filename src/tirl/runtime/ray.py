@@ -9,7 +9,8 @@ tirl.rl.ray_learner; where each actor goes: tirl.runtime.ray_cluster).
       ├─ SandboxNode actor per node: starts, health-checks, restarts `tirl sandbox serve`;
       │    the SandboxClient balances over their endpoints (and retries elsewhere)
       └─ RewardWorker actor: the math-verify process pool, off the driver
-    weight sync: trainer rank 0 + every engine join a sync group per step (tirl.distributed.weight_sync)
+    weight sync: trainer rank 0 + every engine's worker form one sync group, reused by every sync
+    (tirl.distributed.weight_sync); a vLLM engine's worker process itself is the member
 
 Faults: an engine actor that dies mid-rollout is marked down and the turns it was running (and any
 later ones of its trajectories) are re-run on live engines with the same prompt tokens and seed, so
@@ -18,8 +19,9 @@ weight sync (before that it holds stale weights, so it gets no work). Counted in
 A sandbox service that dies is restarted by its node's actor; meanwhile the client retries its
 calls on the other nodes.
 
-Departure from the big frameworks: no persistent NCCL group between trainers and engines; the sync
-group is formed per sync (cheap next to a step, and a restarted engine simply joins the next one).
+The sync group is persistent, as in the big frameworks: formed at the first sync, reused, and formed
+anew only when its members change (an engine Ray restarted joins the next one); each member shuts its
+end down when it closes.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.distributed.weight_sync import SyncGroup, free_port, receive_into
+from tirl.distributed.weight_sync import SyncChannel, SyncGroup, WorkerReceiver, free_port, receive_into
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
+from tirl.engines.vllm import WeightSyncExtension
 from tirl.runtime.base import Runtime
 from tirl.runtime.config import ClusterConfig
 from tirl.runtime.ray_cluster import (
@@ -62,44 +65,94 @@ if TYPE_CHECKING:
 # ---- engines -------------------------------------------------------------------------------------
 
 
+class SyncWorkerExtension(WeightSyncExtension, WorkerReceiver):
+    """vLLM's worker extension on Ray: the engine's in-place reload plus a sync-group receiver, so the
+    buckets go from trainer rank 0 straight into the worker process that owns the weights."""
+
+
 class EngineWorker:
     """One inference engine (HF or vLLM) in its own actor process; Ray restarts it if it dies."""
 
     def __init__(self, cfg: EngineConfig):
         from tirl.engines.factory import build_engines
 
-        self.engine = build_engines(cfg.model_copy(update={"num_engines": 1}))[0]
+        cfg = cfg.model_copy(update={"num_engines": 1})
+        if cfg.backend == "vllm":
+            from tirl.engines.vllm import VLLMEngine
+
+            extension = f"{SyncWorkerExtension.__module__}.{SyncWorkerExtension.__qualname__}"
+            self.engine = VLLMEngine(cfg, "vllm0", worker_extension=extension)
+        else:
+            self.engine = build_engines(cfg)[0]
+        self.ranks = cfg.tensor_parallel_size if cfg.backend == "vllm" else 1  # sync-group ranks it takes
+        self.channel: SyncChannel | None = None  # an engine that loads in this process (hf)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Generation, KVCapacity]:
         generation = await self.engine.generate(prompt_ids, params)
         return generation, self.engine.capacity()
 
     async def describe(self) -> dict[str, Any]:
-        return whereabouts() | {"capacity": self.engine.capacity()}
+        dtype = getattr(self.engine, "dtype", None)
+        return whereabouts() | {
+            "capacity": self.engine.capacity(),
+            "dtype": str(dtype) if dtype is not None else None,
+            "ranks": self.ranks,
+        }
 
     async def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         await asyncio.to_thread(self.engine.load_weights, weights)
 
-    async def receive_weights(self, group: SyncGroup, rank: int) -> int:
-        device = torch.device("cuda") if group.backend == "nccl" else torch.device("cpu")
-        return await asyncio.to_thread(receive_into, group, rank, self.engine.load_weights, device)
+    async def join_sync(self, group: SyncGroup, rank: int) -> None:
+        """Join the persistent sync group: inside the vLLM worker, or here for an in-process engine."""
+        await self.leave_sync()
+        if hasattr(self.engine, "join_sync_group"):
+            await asyncio.to_thread(self.engine.join_sync_group, group.as_dict(), rank)
+        else:
+            self.channel = await asyncio.to_thread(SyncChannel, group, rank)
 
-    async def sleep(self) -> bool:
+    async def receive_sync(self) -> int:
+        """One sync, loaded whole (one reload): generation never sees a half-updated model."""
+        if hasattr(self.engine, "receive_sync"):
+            return await asyncio.to_thread(self.engine.receive_sync)
+        if self.channel is None or self.channel.pg is None:
+            raise RuntimeError("receive_sync before join_sync")
+        device = torch.device("cuda") if self.channel.group.backend == "nccl" else torch.device("cpu")
+        return await asyncio.to_thread(receive_into, self.channel.pg, self.engine.load_weights, device)
+
+    async def leave_sync(self) -> None:
+        if hasattr(self.engine, "leave_sync_group"):
+            await asyncio.to_thread(self.engine.leave_sync_group)
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    async def sleep(self, discard_weights: bool = False) -> bool:
+        if hasattr(self.engine, "wake_weights"):
+            return await asyncio.to_thread(self.engine.sleep, discard_weights)
         return await asyncio.to_thread(self.engine.sleep)
+
+    async def wake_weights(self) -> None:
+        if hasattr(self.engine, "wake_weights"):
+            await asyncio.to_thread(self.engine.wake_weights)
 
     async def wake_up(self) -> None:
         await asyncio.to_thread(self.engine.wake_up)
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):  # a group whose other members are gone already
+            await self.leave_sync()
         await self.engine.close()
 
 
 class RemoteEngine:
     """The Engine interface on an EngineWorker actor; a turn it cannot finish goes to a live engine."""
 
-    def __init__(self, fleet: EngineFleet, actor, name: str, node: str, capacity: KVCapacity):
+    def __init__(self, fleet: EngineFleet, actor, name: str, node: str, capacity: KVCapacity, info=None):
         self.fleet, self.actor, self.name, self.node = fleet, actor, name, node
         self._capacity = capacity
+        info = info or {}
+        self.dtype: str | None = info.get("dtype")  # the engine's weights' dtype: what a sync sends
+        self.ranks: int = info.get("ranks", 1)  # its members in the sync group (tensor-parallel workers)
         self.up = True  # False from its first failure until the weight sync after Ray restarted it
         self.revived = False
 
@@ -126,10 +179,16 @@ class RemoteEngine:
 
         ray.get(self.actor.load_weights.remote(list(weights)))
 
-    def sleep(self) -> bool:
+    def sleep(self, discard_weights: bool = False) -> bool:
         import ray
 
-        return self.up and ray.get(self.actor.sleep.remote())
+        return self.up and ray.get(self.actor.sleep.remote(discard_weights))
+
+    def wake_weights(self) -> None:
+        import ray
+
+        if self.up:
+            ray.get(self.actor.wake_weights.remote())
 
     def wake_up(self) -> None:
         import ray
@@ -204,7 +263,9 @@ async def _start_engines(ray, slots: list[Slot], cfg: EngineConfig, fleet: Engin
     ]
     infos = await asyncio.gather(*(a.describe.remote() for a in actors))
     for i, (actor, info) in enumerate(zip(actors, infos, strict=True)):
-        fleet.engines.append(RemoteEngine(fleet, actor, f"{cfg.backend}{i}", info["node"], info["capacity"]))
+        fleet.engines.append(
+            RemoteEngine(fleet, actor, f"{cfg.backend}{i}", info["node"], info["capacity"], info)
+        )
 
 
 # ---- sandboxes -------------------------------------------------------------------------------------
@@ -440,4 +501,4 @@ async def open_ray_runtime(
                 ray.kill(e.actor)
 
 
-__all__ = ["RemoteEngine", "open_ray_runtime"]
+__all__ = ["RemoteEngine", "SyncWorkerExtension", "open_ray_runtime"]
