@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tirl.sandbox import Sandbox, Status
@@ -270,7 +271,7 @@ async def test_the_sandbox_sees_its_runtime_not_the_project():
     venv = Path(sys.prefix)
     hidden = [
         p
-        for p in (package / "lifetime.py", package / "cli.py", venv / "pyvenv.cfg", venv / "bin")
+        for p in (package / "cli.py", package / "reward", package / "rl", venv / "pyvenv.cfg", venv / "bin")
         if p.exists()
     ]
     code = f"import os\nprint([p for p in {[str(p) for p in hidden]!r} if os.path.exists(p)])"
@@ -279,3 +280,67 @@ async def test_the_sandbox_sees_its_runtime_not_the_project():
         assert (r.status, r.stdout) == (Status.OK, "[]\n"), r
         r = await sb.run("import json, decimal\nprint(decimal.Decimal(1) / 4)")
         assert r.stdout == "0.25\n", r
+
+
+# ---- over HTTP: the app around a real pool, in this process ----
+
+
+def http(sb: Sandbox, token: str | None = "t", **options: object) -> httpx.AsyncClient:
+    from tirl.sandbox.server import create_app
+
+    app = create_app(sb, token=token, **options)  # type: ignore[arg-type]
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    transport = httpx.ASGITransport(app=app)
+    return httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", headers=headers, timeout=60)
+
+
+@session_loop
+async def test_an_unexpected_failure_answers_503_and_gives_everything_back(monkeypatch):
+    async with small_pool() as sb, http(sb) as client:
+
+        async def broken(*_: object) -> None:
+            raise RuntimeError("a bug in the session start")
+
+        monkeypatch.setattr(sb, "_start_session", broken)  # fault injection: the pool itself is real
+        resp = await client.post("/sessions", json={})
+        assert resp.status_code == 503 and "a bug" in resp.json()["error"], resp.text
+        health = sb.health()
+        assert (health["sessions_held"], health["memory_reserved_mb"], health["idle"]) == (0, 0, 1)
+        monkeypatch.undo()
+        assert (await client.post("/sessions", json={})).status_code == 200
+
+
+@session_loop
+async def test_bodies_in_flight_have_one_budget():
+    async with small_pool() as sb, http(sb, max_inflight_bytes=8 << 20) as client:
+        busy = asyncio.create_task(client.post("/run", json={"code": "import time\ntime.sleep(1.5)"}))
+        await asyncio.sleep(0.3)
+        big = {"code": "print(len(input()))", "stdin": "y" * (3 << 20)}
+        first = [asyncio.create_task(client.post("/run", json=big)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        resp = await client.post("/run", json=big)
+        assert resp.status_code == 429 and "in flight" in resp.json()["error"], resp.text
+        answers = await asyncio.gather(*first, busy)
+        assert [a.status_code for a in answers] == [200, 200, 200], [a.text[:200] for a in answers]
+        assert (await client.post("/run", json=big)).json()["stdout"] == f"{3 << 20}\n", "budget given back"
+
+
+@session_loop
+async def test_token_less_service_runs_only_json_posts():
+    """A web page the user visits can POST text/plain to localhost without asking; never run it."""
+    async with small_pool() as sb, http(sb, token=None) as client:
+        for media in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {"content-type": media} if media else {}
+            resp = await client.post("/run", content=b'{"code": "print(1)"}', headers=headers)
+            assert resp.status_code == 415, (media, resp.text)
+        resp = await client.post("/sessions", content=b"", headers={"content-type": "text/plain"})
+        assert resp.status_code == 415 and not sb._sessions
+        assert (await client.post("/run", json={"code": "print(1)"})).json()["stdout"] == "1\n"
+
+
+@session_loop
+async def test_batch_replies_are_bounded():
+    async with small_pool() as sb, http(sb) as client:
+        batch = {"calls": [{"code": "1", "limits": {"keep_bytes": 1 << 20}}] * 24}  # up to 96 MiB back
+        resp = await client.post("/run/batch", json=batch)
+        assert resp.status_code == 413 and "keep_bytes" in resp.json()["error"], resp.text

@@ -85,7 +85,6 @@ async def test_abandoned_sessions_leave_nothing_behind():
     """200 sessions opened, used and abandoned: idle expiry ends each; no process, fd, cgroup or memory stays."""
     async with Sandbox(slots=1, preload=[], warmup=[], max_sessions=64, session_idle_s=1.0) as sb:
         zygotes = zygote_pids(os.getpid())
-        groups_before = set(_session_cgroups())
 
         async def round_(n: int) -> None:
             for i in range(n):  # opened, used once, never closed
@@ -97,7 +96,8 @@ async def test_abandoned_sessions_leave_nothing_behind():
                 await asyncio.sleep(0.05)
             assert not sb._sessions, "idle sessions were not expired"
 
-        await round_(20)  # warm: allocator arenas, thread pool for pipe writes
+        await round_(20)  # warm: allocator arenas, the session zygote (and its cgroup)
+        groups_before = set(_session_cgroups())
         fds, rss = open_fds(os.getpid()), rss_pages(os.getpid())
         for _ in range(9):
             await round_(20)

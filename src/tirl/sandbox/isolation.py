@@ -133,11 +133,35 @@ def _outermost(paths: list[str]) -> list[str]:
 
 
 def runtime_paths() -> list[str]:
-    """What the interpreter of this process needs to import anything: its prefixes and its sys.path."""
+    """What imports need inside the sandbox, and nothing more of the host: the standard library (with
+    its extension modules), site-packages, the interpreter's shared library, and of tirl only the
+    sandbox package and the tirl modules it loaded. Not the project tree (reward code, data), the
+    venv's scripts or the rest of the interpreter's directory (see `_build_root` for tirl itself
+    when it is installed inside site-packages)."""
+    import sys
+    import sysconfig
+
+    wanted = [sysconfig.get_paths()["stdlib"], sysconfig.get_config_var("DESTSHARED") or ""]
+    wanted += [p for p in sys.path if os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages")]
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and os.path.isfile(os.path.join(libdir, soname)):
+        wanted.append(os.path.join(libdir, soname))
+    # tirl's files stay separate even inside site-packages: _build_root binds only them of the package
+    return _outermost([p for p in wanted if p and os.path.exists(p)]) + own_package_paths()
+
+
+def own_package_paths() -> list[str]:
+    """The files of tirl the sandbox runs on: its own package and the tirl modules loaded so far."""
     import sys
 
-    roots = {sys.base_prefix, sys.prefix, sys.exec_prefix} | {p for p in sys.path if p and p != "/"}
-    return _outermost([p for p in roots if os.path.isdir(p)])
+    sandbox = os.path.dirname(os.path.abspath(__file__))
+    loaded = [getattr(m, "__file__", None) for n, m in list(sys.modules.items()) if n.split(".")[0] == "tirl"]
+    return _outermost([sandbox] + [f for f in loaded if f and not _within(os.path.abspath(f), sandbox)])
+
+
+def _package_root() -> str:
+    """The directory of the tirl package (hidden but for `own_package_paths`)."""
+    return os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @functools.lru_cache(maxsize=8)  # fixed per zygote: computed once, not per call
@@ -167,24 +191,31 @@ def _build_root(runtime: list[str], uid: int | None, own_proc: bool) -> None:
     host (home directories, data, the project's runs) exists inside.
     """
     links = {p: os.readlink(p) for p in SYSTEM_DIRS if os.path.islink(p)}
-    dirs = _outermost([p for p in (*SYSTEM_DIRS, *runtime) if p not in links and os.path.isdir(p)])
-    files = [p for p in (*ETC_FILES, *DEVICES) if os.path.exists(p)]
-    sources = {p: (os.open(p, os.O_PATH | os.O_CLOEXEC), _mount_flags(p)) for p in (*dirs, *files)}
+    package = _package_root()
+    pieces = [p for p in runtime if _within(p, package)]  # tirl's own files: bound after the mask
+    outer = _outermost([p for p in (*SYSTEM_DIRS, *runtime) if p not in links and p not in pieces])
+    dirs = [p for p in outer if os.path.isdir(p)]
+    files = [
+        p for p in (*ETC_FILES, *DEVICES, *(p for p in outer if not os.path.isdir(p))) if os.path.exists(p)
+    ]
+    sources = {p: (os.open(p, os.O_PATH | os.O_CLOEXEC), _mount_flags(p)) for p in (*dirs, *files, *pieces)}
     linux.mount("tmpfs", NEW_ROOT, "tmpfs", linux.MS_NOSUID, "size=4m,mode=0755")
     root = lambda p: NEW_ROOT + p  # noqa: E731
     for d in (*EMPTY_DIRS, *dirs):
         os.makedirs(root(d), mode=0o755, exist_ok=True)
     os.chmod(root(WORKDIR), 0o1777)
     for p in files:
-        os.makedirs(os.path.dirname(root(p)), mode=0o755, exist_ok=True)
-        open(root(p), "w").close()
+        _mountpoint(root(p), directory=False)
     for p, target in {**links, **DEV_LINKS}.items():
         os.symlink(target, root(p))
     Path(root("/etc/passwd")).write_text(PASSWD.format(uid=uid if uid is not None else 65534))
     Path(root("/etc/group")).write_text(GROUP.format(uid=uid if uid is not None else 65534))
     Path(root("/etc/hostname")).write_text(HOSTNAME + "\n")
-    for p, (fd, flags) in sources.items():
-        _bind_readonly(fd, root(p), flags)
+    for p in (*dirs, *files):
+        _bind_readonly(*sources[p][:1], root(p), sources[p][1])
+    _bind_own_package(
+        package, pieces, {p: sources[p] for p in pieces}, root, masked=any(_within(package, d) for d in dirs)
+    )
     if own_proc:  # the zygote's own view of processes; each call mounts the proc of its pid namespace
         linux.mount("proc", root("/proc"), "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
     else:  # in a user namespace without a pid namespace, proc can only be bound
@@ -194,6 +225,31 @@ def _build_root(runtime: list[str], uid: int | None, own_proc: bool) -> None:
     linux.pivot_root(".", ".")  # the old root ends up stacked below the new one ...
     linux.umount(".")  # ... and is detached here
     os.chdir("/")
+
+
+def _mountpoint(path: str, directory: bool) -> None:
+    if directory:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+
+
+def _bind_own_package(
+    package: str, pieces: list[str], sources: dict[str, tuple[int, int]], root: object, masked: bool
+) -> None:
+    """Only tirl's sandbox files of the package: an empty directory holding binds of them (a tmpfs
+    over the package when it sits inside a bound directory, e.g. installed into site-packages)."""
+    target = root(package)  # type: ignore[operator]
+    if masked:
+        linux.mount("tmpfs", target, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=1m,mode=0755")
+    for p in pieces:
+        _mountpoint(root(p), directory=os.path.isdir(p))  # type: ignore[operator]
+    for p in pieces:
+        fd, flags = sources[p]
+        _bind_readonly(fd, root(p), flags)  # type: ignore[operator]
+    if masked:
+        linux.mount(None, target, None, linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV)
 
 
 def isolate_zygote(plan: Plan) -> list[str]:
@@ -285,12 +341,12 @@ def confine_call(plan: Plan, seccomp: linux.SockFprog | None, workdir_mb: int) -
         linux.sethostname(HOSTNAME)
         if plan.pid_namespace:  # a proc of our own pid namespace: the call sees only its processes
             linux.mount("proc", "/proc", "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
-        keep = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in plan.runtime_under_workdir}
+        keep = {p: os.open(p, os.O_PATH) for p in plan.runtime_under_workdir}
         size = f"size={workdir_mb}m,mode=1777"
         for target in (WORKDIR, "/dev/shm"):
             linux.mount("tmpfs", target, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, size)
         for path, fd in keep.items():  # runtime living under the workdir: visible again, read-only
-            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mountpoint(path, directory=os.path.isdir(f"/proc/self/fd/{fd}"))
             _bind_readonly(fd, path, _mount_flags(f"/proc/self/fd/{fd}"))
     if plan.cgroup.active:
         fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the zygote shares the cgroup: kill us first

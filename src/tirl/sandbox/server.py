@@ -9,9 +9,13 @@ Every request passes a guard before the app sees it: the Host header must name t
 when no token is set (a DNS-rebinding web page cannot reach a token-less local service), the
 token is checked before the body is read, the body must arrive within BODY_TIMEOUT_S and fit
 in `max_body_bytes` (413), and a connection that does not finish its request headers within
-HEADER_TIMEOUT_S is closed (slowloris). Bodies are JSON whatever the Content-Type says (so
-`curl -d` works); anything that is not a valid request answers 4xx with a message, never 500.
-There are no /docs or /openapi.json pages.
+HEADER_TIMEOUT_S is closed (slowloris). With a token, bodies are JSON whatever the Content-Type
+says (so `curl -d` works); without one, a POST must say Content-Type: application/json (a web page
+the user visits can make the browser send a plain-text POST to a local service without asking; a
+JSON one it cannot). The bytes of all request bodies in flight share one budget (beyond it: 429),
+and a call or cell that could not even queue (queue full) is refused before its body is parsed.
+Anything that is not a valid request answers 4xx with a message; anything unexpected answers 503
+(SandboxClient retries it elsewhere), never 500. There are no /docs or /openapi.json pages.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -36,7 +41,8 @@ from tirl.sandbox.session import Session
 
 MAX_BODY_BYTES = 64 * MiB
 MAX_BATCH = 4096
-MAX_RESPONSE_BYTES = 512 * MiB  # a batch whose kept output could exceed this is refused
+MAX_RESPONSE_BYTES = 32 * MiB  # a batch whose kept output could exceed this is refused
+MAX_INFLIGHT_BYTES = 4 * MAX_BODY_BYTES  # request bodies held at once (queued and running)
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 60.0
 PUBLIC_PATHS = frozenset({"/health"})
@@ -106,13 +112,27 @@ async def _answer_unless_stopped(app: Any, scope: dict, receive: Any, send: Any)
         if answered:
             raise
         await _json_error(503, STOPPED, {"Retry-After": "1"})(scope, receive, send)
+    except Exception as exc:  # a bug or a broken slot: this request fails, retryable, the service serves on
+        logging.getLogger(__name__).exception("unexpected error in %s", scope.get("path"))
+        if answered:
+            raise
+        await _json_error(503, f"sandbox error: {exc!r} (retry)", {"Retry-After": "1"})(scope, receive, send)
 
 
 class Guard:
     """ASGI middleware: Host check, token, then the body (bounded in size and time), before the app."""
 
-    def __init__(self, app: Any, token: str | None, max_bytes: int, allowed_hosts: frozenset[str]) -> None:
+    def __init__(
+        self,
+        app: Any,
+        token: str | None,
+        max_bytes: int,
+        allowed_hosts: frozenset[str],
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> None:
         self.app, self.token, self.max_bytes, self.allowed_hosts = app, token, max_bytes, allowed_hosts
+        self.max_inflight_bytes = max_inflight_bytes
+        self.inflight = 0  # bytes of the bodies of requests not yet answered
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -123,6 +143,8 @@ class Guard:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large()(scope, receive, send)
+        if declared is not None and declared.isdigit() and (busy := self._over_budget(int(declared))):
+            return await busy(scope, receive, send)
         try:
             body = await asyncio.wait_for(self._read(receive), BODY_TIMEOUT_S)
         except _TooLarge:
@@ -131,6 +153,24 @@ class Guard:
             return await _json_error(408, f"request body not received within {BODY_TIMEOUT_S:g} s")(
                 scope, receive, send
             )
+        if busy := self._over_budget(len(body)):
+            return await busy(scope, receive, send)
+        self.inflight += len(body)
+        try:
+            await self._forward(body, scope, receive, send)
+        finally:
+            self.inflight -= len(body)
+
+    def _over_budget(self, size: int) -> JSONResponse | None:
+        if size and self.inflight + size > self.max_inflight_bytes:
+            return _json_error(
+                429, f"request bodies in flight: {self.inflight >> 20} MiB held, {size >> 20} MiB more exceed "
+                f"the budget of {self.max_inflight_bytes >> 20} MiB: retry later",
+                {"Retry-After": "1"},
+            )  # fmt: skip
+        return None
+
+    async def _forward(self, body: bytes, scope: dict, receive: Any, send: Any) -> None:
         replayed = False
 
         async def replay() -> dict:
@@ -157,6 +197,12 @@ class Guard:
                 return _json_error(
                     401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')"
                 )
+        media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if self.token is None and scope.get("method") == "POST" and media != b"application/json":
+            return _json_error(
+                415, "without a token, POST bodies must be sent as Content-Type: application/json "
+                "(a web page can make a browser send any other type here without asking)",
+            )  # fmt: skip
         return None
 
     async def _read(self, receive: Any) -> bytes:
@@ -233,11 +279,19 @@ def _check_fits(sandbox: Sandbox, calls: list[RunRequest]) -> None:
         )  # fmt: skip
 
 
+def _admit(sandbox: Sandbox) -> None:
+    """429 at once, before the body is parsed, when the call could not even queue."""
+    if (refused := sandbox.admission()) is not None:
+        status = 429 if refused.status == Status.QUEUE_TIMEOUT else 503
+        raise HTTPException(status, refused.message, headers={"Retry-After": "1"})
+
+
 def create_app(
     sandbox: Sandbox,
     token: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     allowed_hosts: frozenset[str] | set[str] = frozenset(),
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
 ) -> FastAPI:
     """The HTTP app around a (not yet started) Sandbox; the app's lifespan starts and stops it."""
     metrics = ServiceMetrics(lambda: sandbox.health()["queued"], lambda: sandbox.health()["busy"])
@@ -252,7 +306,7 @@ def create_app(
     @app.exception_handler(HTTPException)
     async def refused(_: Request, exc: HTTPException) -> JSONResponse:
         metrics.rejected.inc()
-        return _json_error(exc.status_code, str(exc.detail))
+        return _json_error(exc.status_code, str(exc.detail), exc.headers)
 
     async def run_one(req: RunRequest) -> ExecResult:
         """One call; whatever goes wrong stays this call's result (a batch never fails as a whole)."""
@@ -267,6 +321,7 @@ def create_app(
 
     @app.post("/run")
     async def run(request: Request) -> JSONResponse:
+        _admit(sandbox)
         req = await _parse(request, RunRequest)
         _check_language(req.language)
         _check_fits(sandbox, [req])
@@ -277,6 +332,7 @@ def create_app(
 
     @app.post("/run/batch")
     async def run_batch(request: Request) -> dict:
+        _admit(sandbox)
         req = await _parse(request, BatchRequest)
         for call in req.calls:
             _check_language(call.language)
@@ -286,6 +342,7 @@ def create_app(
 
     @app.post("/run_code")
     async def run_code(request: Request) -> dict:
+        _admit(sandbox)
         req = await _parse(request, RunCodeRequest)
         _check_language(req.language)
         if req.files or req.fetch_files:
@@ -303,6 +360,7 @@ def create_app(
 
     @app.post("/sessions")
     async def open_session(request: Request) -> dict:
+        _admit(sandbox)
         body = await request.body()
         req = await _parse(request, SessionRequest) if body.strip() else SessionRequest()
         limits = req.limits.model_dump(exclude_none=True) if req.limits else {}
@@ -326,6 +384,7 @@ def create_app(
     @app.post("/sessions/{session_id}/run")
     async def run_in_session(session_id: str, request: Request) -> JSONResponse:
         session = _live(session_id)
+        _admit(sandbox)
         req = await _parse(request, RunRequest)
         _check_language(req.language)
         if req.limits is not None:
@@ -334,8 +393,11 @@ def create_app(
         start = time.monotonic()
         result = await sandbox.run_in_session(session, req.code, req.stdin, req.timeout)
         metrics.observe(result, time.monotonic() - start)
+        overloaded = result.status == Status.QUEUE_TIMEOUT
         return JSONResponse(
-            result.to_dict(), status_code=429 if result.status == Status.QUEUE_TIMEOUT else 200
+            result.to_dict(),
+            status_code=429 if overloaded else 200,
+            headers={"Retry-After": "1"} if overloaded else None,
         )
 
     @app.delete("/sessions/{session_id}")
@@ -351,8 +413,9 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.add_middleware(
-        Guard, token=token, max_bytes=max_body_bytes, allowed_hosts=LOOPBACK_HOSTS | set(allowed_hosts)
-    )
+        Guard, token=token, max_bytes=max_body_bytes, allowed_hosts=LOOPBACK_HOSTS | set(allowed_hosts),
+        max_inflight_bytes=max_inflight_bytes,
+    )  # fmt: skip
     return app
 
 
