@@ -57,6 +57,18 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class StagedWake(Protocol):
+    """An engine that wakes in two steps around a weight sync (vLLM sleep mode): weights first (the
+    sync writes into them), the KV cache after the trainer released its memory."""
+
+    def sleep(self, discard_weights: bool = False) -> bool: ...
+
+    def wake_weights(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
 class EnginePool(Protocol):
     """Hands out an engine for one trajectory; all its turns stay on that engine (prefix-cache reuse).
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from tirl.distributed.groups import DistInfo, full_model_state
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.update import grpo_update
@@ -39,6 +41,31 @@ class LocalLearner:
             runtime.load_weights((k, v) for k, v in state.items() if k in self.sync_names)
         return {}
 
+    def offload(self, what: str = "all") -> bool:
+        """Colocated engines run in this rank's GPU memory meanwhile: the optimizer state ("optimizer",
+        after an update), the parameters ("params", after the sync) or both go to host memory and the
+        cache is handed back to CUDA. On CPU there is nothing to free (False)."""
+        policy = self.policy
+        if policy.device.type != "cuda":
+            return False
+        if what in ("all", "optimizer"):
+            policy.optimizer.zero_grad(set_to_none=True)
+            _move_optimizer_state(policy.optimizer, torch.device("cpu"))
+        if what in ("all", "params"):
+            policy.model.to("cpu")  # FSDP2 re-points its sharded parameters on .to()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return True
+
+    def onload(self) -> bool:
+        """Parameters and optimizer state back on the GPU before an update (no-op where resident)."""
+        policy = self.policy
+        if policy.device.type != "cuda":
+            return False
+        policy.model.to(policy.device)
+        _move_optimizer_state(policy.optimizer, policy.device)
+        return True
+
     def reset_optimizer(self, total_steps: int) -> None:
         self.policy.reset_optimizer(total_steps)
 
@@ -52,3 +79,10 @@ class LocalLearner:
         self, run_dir: Path, step: int, tokenizer: PreTrainedTokenizerBase | None, state: dict, keep_last: int
     ) -> None:
         self.policy.save(run_dir, step, tokenizer, state, keep_last)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device:
+                state[key] = value.to(device, non_blocking=True)

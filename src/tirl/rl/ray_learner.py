@@ -146,6 +146,12 @@ class RayLearner:
             ray.get(self.workers[0].leave_sync.remote())
         self._group_key = None
 
+    def offload(self, what: str = "all") -> bool:
+        return any(self._all("offload", what))
+
+    def onload(self) -> bool:
+        return any(self._all("onload"))
+
     def reset_optimizer(self, total_steps: int) -> None:
         self._all("reset_optimizer", total_steps)
 

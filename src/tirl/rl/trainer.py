@@ -204,15 +204,23 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
             ))  # fmt: skip
     # 6. update: every rank trains on its share of the kept samples
     samples = broadcast_object(samples, info)
-    # engines sharing the trainer's devices free their memory for training; async ones keep generating
-    colocated = run.runtime is not None and cfg.cluster.colocated and not alg.async_
+    # Colocated (engines sharing the trainer's devices; async ones keep generating): engines sleep all
+    # at once, discarding weights the sync rewrites; the trainer's state comes back for the update,
+    # its optimizer leaves before the engines' weights return, its parameters after the sync, and only
+    # then the engines' KV cache (tirl.runtime.base.Runtime.sleep/wake_weights/wake_up).
+    colocated = cfg.cluster.colocated and not alg.async_
+    engines = run.runtime if colocated else None  # None on the ranks without a runtime
+    if engines is not None:
+        metrics["colocate/engines_asleep"] = engines.sleep(discard_weights=True)
     if colocated:
-        metrics["colocate/engines_asleep"] = run.runtime.sleep()
+        _trainer_memory(run, "onload")
     with timer("train"):
         metrics |= await run.blocking(run.learner.update, samples, alg)
     fault_point("update", step + 1)
     if colocated:
-        run.runtime.wake_up()
+        _trainer_memory(run, "offload", "optimizer")
+    if engines is not None:
+        engines.wake_weights()
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
     # 7. weight sync: the engines sample from the updated policy from the next turn on
     with timer("sync"):
@@ -222,8 +230,19 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
             async with run.versions.syncing(step + 1):
                 metrics |= await run.blocking(run.learner.sync_weights, run.runtime)
             producer.synced(step + 1)
+    if colocated:
+        _trainer_memory(run, "offload", "params")
+    if engines is not None:
+        engines.wake_up()
     metrics |= _overlap_metrics(run, timer, time.perf_counter() - start, engines_before)
     return metrics | timer.metrics()
+
+
+def _trainer_memory(run: Run, method: str, *args: str) -> None:
+    """The learner's offload/onload where it has them (tirl.rl.local_learner, tirl.rl.ray_learner)."""
+    call = getattr(run.learner, method, None)
+    if call is not None:
+        call(*args)
 
 
 def _overlap_metrics(run: Run, timer: Timer, wall_s: float, before: EngineActivity | None) -> dict:

