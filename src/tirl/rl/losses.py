@@ -165,6 +165,101 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+# ---- the loss head: log-probs and entropies without full-vocabulary logits for a whole micro-batch ----
+#
+# At 32K tokens x 151,936 vocabulary entries one fp32 logits tensor is 20 GB, and autograd through
+# log_softmax and the entropy keeps several of them (~121 GB for Qwen3-14B). The head below computes
+# the same numbers a few thousand tokens at a time and keeps only the per-token log-sum-exp for backward,
+# where each chunk's logits are rebuilt from the hidden states: peak memory is one chunk's logits.
+
+HEAD_CHUNK_BYTES = 2**30  # fp32 logits of one chunk; a few of these live at once (logits, softmax, grad)
+
+
+def head_chunk_tokens(vocab_size: int, budget_bytes: int = HEAD_CHUNK_BYTES) -> int:
+    """Tokens per chunk so one chunk's fp32 logits take about budget_bytes."""
+    return max(1, budget_bytes // (4 * vocab_size))
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The matmul runs in the weight's dtype (bf16 under mixed precision, as the HF head would), the
+    # softmax in fp32: the numbers the unchunked `model(...).logits.float()` path produced.
+    return torch.nn.functional.linear(hidden, weight).float()
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], targets [N]) -> (log p(target) [N], entropy [N]), chunk by chunk.
+
+    Saved for backward: hidden, weight (FSDP re-gathers it as for any linear) and the log-sum-exp;
+    backward recomputes each chunk's logits. d log p_y / dz = onehot(y) - p and
+    dH / dz = -p * (log p + H), so both outputs' gradients come from one softmax per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int):  # type: ignore[override]
+        logprobs = hidden.new_empty(targets.shape, dtype=torch.float32)
+        entropy = torch.empty_like(logprobs)
+        lse = torch.empty_like(logprobs)
+        for start in range(0, targets.shape[0], chunk):
+            end = start + chunk
+            z = _chunk_logits(hidden[start:end], weight)
+            lse_c = torch.logsumexp(z, dim=-1)
+            p = torch.softmax(z, dim=-1)
+            lse[start:end] = lse_c
+            logprobs[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse_c
+            entropy[start:end] = lse_c - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.chunk = chunk
+        ctx.set_materialize_grads(False)  # an unused entropy (a metric only) costs nothing in backward
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):  # type: ignore[override]
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for start in range(0, targets.shape[0], ctx.chunk):
+            end = start + ctx.chunk
+            z = _chunk_logits(hidden[start:end], weight)
+            logp = z - lse[start:end, None]
+            p = logp.exp()
+            dz = torch.zeros_like(z)
+            if grad_logprobs is not None:
+                g = grad_logprobs[start:end, None]
+                dz -= p * g
+                dz.scatter_add_(-1, targets[start:end, None], g)
+            if grad_entropy is not None:
+                dz -= p * (logp + entropy[start:end, None]) * grad_entropy[start:end, None]
+            dz = dz.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = dz @ weight
+            if grad_weight is not None:
+                grad_weight += (dz.t() @ hidden[start:end]).float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of `targets` and entropy under logits = hidden @ weight.T, never holding more
+    than `chunk_tokens` rows of logits. hidden [..., H], targets [...]; returns two fp32 [...] tensors.
+    The entropy is differentiable too (for an entropy bonus); left out of the loss it costs nothing."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # cast here, where autograd sees it: backward has no autocast
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    shape = targets.shape
+    with torch.autocast(device, enabled=False):
+        logprobs, entropy = _ChunkedHead.apply(
+            hidden.to(weight.dtype).reshape(-1, hidden.shape[-1]),
+            weight,
+            targets.reshape(-1),
+            max(1, chunk_tokens),
+        )
+    return logprobs.view(shape), entropy.view(shape)
+
+
 @dataclass
 class Diagnostics:
     """Sums (and maxes) over trained tokens, added over micro-batches and ranks, divided once."""

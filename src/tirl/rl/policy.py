@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ from tirl.distributed.groups import (
 )
 from tirl.rl.checkpoint import save_checkpoint, set_rng_states
 from tirl.rl.config import OptimConfig
-from tirl.rl.losses import PolicyInputs, entropy_from_logits
+from tirl.rl.losses import PolicyInputs, chunked_logprobs, head_chunk_tokens
 
 
 @dataclass
@@ -125,6 +126,54 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         layer.training = True  # not layer.train(): that would recurse into the attention and MLP
 
 
+class TokenHead(torch.nn.Linear):
+    """The HF output projection (same weight, same state-dict key) that, while `targeting`, returns
+    (per-token log-prob of the target, entropy) from the chunked head instead of full logits.
+
+    It stays inside the model's own forward so FSDP2 has the root's weights gathered around it, as for
+    the stock head; the HF forward hands our pair on as `.logits`. Outside `targeting` it is a Linear.
+    """
+
+    _targets: torch.Tensor | None = None
+    _chunk: int = 1
+
+    def forward(self, hidden: torch.Tensor):  # type: ignore[override]
+        if self._targets is None:
+            return super().forward(hidden)
+        return chunked_logprobs(hidden, self.weight, self._targets, self._chunk)
+
+    @contextmanager
+    def targeting(self, targets: torch.Tensor, chunk_tokens: int) -> Iterator[None]:
+        self._targets, self._chunk = targets, chunk_tokens
+        try:
+            yield
+        finally:
+            self._targets = None
+
+
+def install_token_head(model: torch.nn.Module) -> TokenHead:
+    """Turn the model's `lm_head` into a TokenHead in place (its class only: parameters, ties and
+    state-dict keys stay as they are)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no linear lm_head to compute log-probs with")
+    if not isinstance(head, TokenHead):
+        head.__class__ = TokenHead
+    return head
+
+
+def token_logprobs(
+    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of each next token ids[:, 1:] and the entropies there, [B, T-1] fp32 each, through the
+    chunked head: full-vocabulary logits exist for one chunk of tokens at a time, never the batch."""
+    head = install_token_head(model)
+    targets = ids.roll(-1, dims=1)  # position t predicts t+1; the last position's target is unused
+    with head.targeting(targets, head_chunk_tokens(head.out_features)):
+        logprobs, entropy = model(input_ids=ids, attention_mask=attn).logits
+    return logprobs[:, :-1], entropy[:, :-1]
+
+
 class Policy:
     def __init__(self, model_path: str, optim: OptimConfig, info: DistInfo, total_steps: int):
         from transformers import AutoModelForCausalLM
@@ -188,10 +237,10 @@ class Policy:
         ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
         autocast = self.bf16 and not self.info.enabled  # FSDP2's mixed-precision policy casts itself
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = (model or self.model)(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        entropy = entropy_from_logits(logits) if with_entropy else None
-        return MicroBatch(samples, logprobs, mask, entropy)
+            logprobs, entropy = token_logprobs(model or self.model, ids, attn)
+        # The entropy costs no memory when unused: the head keeps no graph for it (its gradient is
+        # computed only when a loss term reads it, i.e. algorithm.entropy_coef > 0).
+        return MicroBatch(samples, logprobs, mask, entropy if with_entropy else None)
 
     def micro_batches(self, samples: list[TrainSample]) -> Iterator[list[TrainSample]]:
         """Micro-batches under the token budget; every rank yields the same count (FSDP collectives
