@@ -39,6 +39,7 @@ from tirl.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SHUTDOWN_TIMEOUT_S = 60  # the engine core's time to stop cleanly (it frees its shared memory) before a kill
 CPU_BATCHED_TOKENS = 8192  # tokens per engine step on CPU (prompts are never split there)
 
 INSTALL_HINT = (
@@ -51,6 +52,9 @@ def require_vllm() -> None:
     """Fail early with an actionable message when vLLM is not installed."""
     # vLLM logs every engine step at INFO; keep tirl's console readable unless the user asks for more.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM gives its worker 5 s to stop, then kills it: on a busy CPU that is too short, and a killed
+    # worker leaves its shared memory behind (the "leaked shared_memory" warning at exit).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_TIMEOUT_S // 2))
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -229,6 +233,7 @@ def engine_args(cfg: EngineConfig, on_cpu: bool, sleep: bool, worker_extension: 
         enforce_eager=on_cpu,
         logprobs_mode="processed_logprobs",  # logprobs under the sampling distribution
         disable_log_stats=False,  # feeds _KVStats (capacity, preemptions)
+        use_tqdm_on_load=False,  # no progress bar in the worker's output: tirl prints its own lines
         worker_extension_cls=worker_extension,
         **kwargs,
     )
@@ -307,7 +312,7 @@ class VLLMEngine:
         self._loop.close()
 
     async def _shutdown(self) -> None:
-        self._llm.shutdown()
+        self._llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         self._llm = None  # no second shutdown from AsyncLLM.__del__ at interpreter exit
 
     # --- generation -------------------------------------------------------------------------------
