@@ -563,7 +563,10 @@ class Sandbox:
         deadline = time.monotonic() + self.queue_timeout_s
         self._waiting += 1
         try:
-            await asyncio.wait_for(session.lock.acquire(), self.queue_timeout_s)
+            if session.lock.locked():
+                await asyncio.wait_for(session.lock.acquire(), self.queue_timeout_s)
+            else:
+                await session.lock.acquire()  # free: taken at once (no task for a timeout)
         except TimeoutError:
             return ExecResult(
                 Status.QUEUE_TIMEOUT,

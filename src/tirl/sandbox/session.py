@@ -206,7 +206,8 @@ class Session:
             except OSError:  # the process is gone: its exit (pidfd) settles the call
                 pending = pending[:0]
             if not pending:
-                loop.remove_writer(self.child.request)
+                if not call.sent:
+                    loop.remove_writer(self.child.request)
                 call.sent = True
                 if call.marker:
                     _settle(call.done, "done")
@@ -239,7 +240,9 @@ class Session:
         ):
             loop.add_reader(fd, reader, fd, sink)
         loop.add_reader(self.child.pidfd, _settle, call.done, "exited")
-        loop.add_writer(self.child.request, writer)
+        writer()  # most requests fit in the pipe at once: no wait for the loop
+        if not call.sent:
+            loop.add_writer(self.child.request, writer)
 
     def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
         for fd in (self.child.stdout, self.child.stderr, self.child.result, self.child.pidfd):
