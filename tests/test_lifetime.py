@@ -127,7 +127,21 @@ def test_kill_9_of_a_command_takes_its_children_along(tiny_model_dir, engine):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path):
+VLLM = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+# What only third-party code prints: a tirl command shows none of it unless run with --verbose.
+FOREIGN = ("Traceback", "EngineDead", "leaked", "WARNING", "Warning:", "Loading safetensors", "Triton")
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=VLLM)])
+@pytest.mark.timeout(900)  # vLLM's engine takes minutes to start on a busy 2-core machine
+def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path, engine):
+    """One Ctrl-C: the run stops (vLLM's engine core, which vLLM spawns on CPU, does not take the
+    terminal's SIGINT and die first), its checkpoint is there, the resume command is printed, and
+    nothing else: no traceback, no library warning, no leaked-resource report."""
     data = tmp_path / "problems.jsonl"
     data.write_text(
         "".join(
@@ -140,7 +154,7 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path):
         yaml.safe_dump(
             {
                 "model": str(tiny_model_dir), "output_dir": str(tmp_path / "runs"), "run_name": "r",
-                "engine": {"backend": "hf", "device": "cpu", "max_model_len": 1024},
+                "engine": {"backend": engine, "device": "cpu", "max_model_len": 1024, "kv_cache_gb": 0.1},
                 "agent": {"max_turns": 1, "max_response_tokens": 8}, "sandbox": {"mode": "inprocess", "slots": 1},
                 "reward": {"workers": 1}, "algorithm": {"prompts_per_step": 1, "group_size": 2},
                 "optim": {"device": "cpu"}, "stages": [{"steps": 1000, "data": str(data)}],
@@ -156,11 +170,12 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path):
     try:
         output.wait_for("step 2 ")
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends to its foreground group on Ctrl-C
-        assert proc.wait(timeout=300) == 130, output.text[-3000:]
+        assert proc.wait(timeout=120) == 130, output.text[-3000:]  # at once, not after a hang
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
     output.drain()
-    assert "Traceback" not in output.text, output.text[-3000:]
+    foreign = [line for line in output.text.splitlines() if any(f in line for f in FOREIGN)]
+    assert not foreign, output.text[-3000:]
     expected = f"continue with: tirl train --config {config} seed=3 --resume"
     assert expected in output.text and "is saved at step_00000" in output.text, output.text[-3000:]
 

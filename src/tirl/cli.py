@@ -35,8 +35,13 @@ VERBOSE = typer.Option(
 
 
 def quiet_libraries(verbose: bool) -> None:
-    """A command that runs models prints tirl's lines only, unless --verbose (tirl.lifetime)."""
-    quiet_third_party(verbose)
+    """A command that runs models prints tirl's lines only, unless --verbose (tirl.lifetime). Only in
+    the `tirl` command itself (main marked this process): an `app` called inside another program, such
+    as a test's CliRunner, leaves that program's warnings and environment alone."""
+    from tirl.lifetime import ENV
+
+    if os.environ.get(ENV) == str(os.getpid()):
+        quiet_third_party(verbose)
 
 
 # ---- sandbox (tirl.sandbox) ----

@@ -79,7 +79,9 @@ const COLUMNS = [
   { key: "id", label: "#", width: "48px", num: true, cell: (t) => t.id + 1 },
   { key: "step", label: "step", width: "48px", num: true, train: true, cell: (t) => t.step ?? "" },
   { key: "bench", label: "benchmark", width: "minmax(60px, .8fr)", bench: true, cell: (t) => esc(t.bench) },
-  { key: "pid", label: "problem", width: "minmax(70px, 1fr)", cell: (t) => esc(t.pid) + (t.sample ? `<span class="muted"> #${t.sample}</span>` : "") },
+  // The problem's text (its id when the record has none), the id and sample in the tooltip.
+  { key: "problem", label: "problem", width: "minmax(120px, 2fr)",
+    cell: (t) => `<span title="${esc(t.pid)} #${t.sample}">${esc(t.problem || t.pid)}</span>` },
   { key: "reward", label: "reward", width: "56px", num: true,
     cell: (t) => (correct(t) ? `<span class="good">✓ ${fmt(t.reward, 1)}</span>` : `<span class="bad">✗ ${fmt(t.reward, 1)}</span>`) },
   { key: "answer", label: "answer", width: "minmax(50px, .7fr)", cell: (t) => `<span class="mono">${esc(t.answer ?? "–")}</span>` },
@@ -194,6 +196,11 @@ function applyFilters() {
     return (x < y ? -1 : x > y ? 1 : a.id - b.id) * dir;
   });
   state.shown = shown;
+  // The detail pane shows a trajectory the filters keep: the first shown one, or none.
+  if (state.selected !== null && !shown.includes(TRAJ[state.selected])) {
+    if (shown.length) select(shown[0].id, false);
+    else clearDetail();
+  }
   for (const el of document.querySelectorAll("#thead > div")) {
     el.classList.toggle("sorted", el.dataset.key === key);
     el.classList.toggle("desc", el.dataset.key === key && state.sortDesc);
@@ -223,6 +230,12 @@ function showStep(step) {
 }
 
 // ---------- one trajectory ----------
+function clearDetail() {
+  state.selected = null;
+  $("#detail").innerHTML = `<p class="hint">no trajectory matches the filters</p>`;
+  if (location.hash) history.replaceState(null, "", location.pathname + location.search);
+}
+
 function select(id, scrollIntoView) {
   state.selected = id;
   const t = TRAJ[id];
@@ -279,7 +292,8 @@ function renderCall(c) {
   let html = `<div class="call"><div class="call-head"><span class="status st-${esc(c.status)}">${esc(STATUS_LABEL[c.status] || c.status)}</span>` +
     `<span class="muted">python tool call</span>${c.wall_ms ? `<span class="muted">${fmt(c.wall_ms, 0)} ms</span>` : ""}</div>`;
   if (c.parse_error) html += `<div class="parse-error">${esc(c.parse_error)}</div>`;
-  html += `<pre class="code">${c.parse_error ? esc(c.code) : highlightPython(c.code)}</pre>`;
+  // A malformed call is raw text (often one long JSON line): wrapped, so none of it is out of view.
+  html += c.parse_error ? `<pre class="code raw">${esc(c.code)}</pre>` : `<pre class="code">${highlightPython(c.code)}</pre>`;
   if (c.input) html += `<pre class="stdin">stdin: ${esc(c.input)}</pre>`;
   if (c.response !== null && c.response !== undefined) html += `<pre class="response st-${esc(c.status)}">${esc(c.response)}</pre>`;
   return html + `</div>`;

@@ -1,0 +1,116 @@
+"""The documented one-machine Ray command as a user runs it (docs/scaling.md): `tirl train ...
+cluster.backend=ray cluster.trainer.ranks=2` with no cluster.address on this 2-core machine trains
+with the default CPU settings (tirl's private Ray gets the logical CPUs the actors reserve), and a
+placement no cluster can hold fails at once, in one line that names what to change."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _config(tmp_path: Path, model_dir: Path) -> Path:
+    data = tmp_path / "problems.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+            for i in range(4)
+        )
+    )
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model_dir), "output_dir": str(tmp_path / "runs"), "run_name": "r",
+                "engine": {"backend": "hf", "device": "cpu", "max_model_len": 1024, "max_batch_size": 4},
+                "agent": {"max_turns": 1, "max_response_tokens": 8}, "sandbox": {"mode": "inprocess", "slots": 1},
+                "reward": {"workers": 1}, "algorithm": {"prompts_per_step": 1, "group_size": 2},
+                "optim": {"device": "cpu"}, "stages": [{"steps": 1, "data": str(data)}],
+                "checkpoint": {"every": 1}, "logging": {"tensorboard": False},
+            }
+        )
+    )  # fmt: skip
+    return config
+
+
+def _tirl(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray, as on a laptop
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "tirl.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # Ray and five actors that import torch, on a loaded 2-core machine
+def test_the_documented_one_machine_ray_command_trains_on_two_cores(tiny_model_dir, tmp_path):
+    assert (os.cpu_count() or 1) < 5  # the defaults reserve 5 logical CPUs: more than this machine has
+    config = _config(tmp_path, tiny_model_dir)
+    done = _tirl(
+        "train", "--config", str(config), "cluster.backend=ray", "cluster.trainer.ranks=2", timeout=840
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "step 1 " in done.stderr and f"run: {tmp_path / 'runs' / 'r'}" in done.stdout, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_a_private_ray_too_small_for_the_actors_fails_before_starting(tiny_model_dir, tmp_path):
+    config = _config(tmp_path, tiny_model_dir)
+    start = time.monotonic()
+    done = _tirl(
+        "train", "--config", str(config), "cluster.backend=ray", "cluster.trainer.ranks=2", "cluster.num_cpus=2",
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cluster.num_cpus=2 is fewer logical CPUs"), lines
+    assert "2 trainer ranks x cluster.trainer.num_cpus=1" in lines[0] and "= 5)" in lines[0]
+    assert time.monotonic() - start < 120  # no Ray was started, no actor waited for
+
+
+def test_an_impossible_placement_on_a_cluster_fails_at_once_naming_the_settings():
+    """On a running cluster (here its node list, as ray.nodes() gives it) the total is checked before
+    any placement group waits."""
+    from tirl.runtime.config import ClusterConfig
+    from tirl.runtime.ray_cluster import ClusterError, check_cluster_cpus
+
+    class TwoCPUCluster:
+        @staticmethod
+        def nodes() -> list[dict]:
+            return [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 64.0}}]
+
+    cluster = ClusterConfig(backend="ray", address="auto", trainer={"ranks": 2})
+    with pytest.raises(ClusterError) as raised:
+        check_cluster_cpus(TwoCPUCluster, cluster, num_engines=1, trainer_ranks=2)
+    message = str(raised.value)
+    assert "\n" not in message and "reserve 5 logical CPUs" in message and "the Ray cluster has 2" in message
+    assert "cluster.engines.num_cpus=1" in message and "cluster.reward_num_cpus=1" in message
+    fits = cluster.model_copy(
+        update={
+            "engines": cluster.engines.model_copy(update={"num_cpus": 0.5}),
+            "trainer": cluster.trainer.model_copy(update={"num_cpus": 0.25}),
+            "sandbox": cluster.sandbox.model_copy(update={"num_cpus": 0.25}),
+            "reward_num_cpus": 0.25,
+        }
+    )  # the settings the issue's user found by hand: 1.5 logical CPUs
+    check_cluster_cpus(TwoCPUCluster, fits, num_engines=1, trainer_ranks=2)
+
+
+def test_a_private_ray_gets_the_logical_cpus_its_actors_reserve():
+    from tirl.runtime.config import ClusterConfig
+
+    cluster = ClusterConfig(backend="ray", trainer={"ranks": 2})
+    assert cluster.logical_cpus(1, 2) == 5.0
+    assert cluster.private_ray_cpus(1, 2) == max(5, os.cpu_count() or 1)
+    assert ClusterConfig(backend="ray", num_cpus=3).private_ray_cpus(4, 2) == 3  # as given
