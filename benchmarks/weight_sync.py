@@ -1,22 +1,28 @@
-"""Weight sync trainer -> engine across processes: bucketed streaming vs the full state dict.
+"""Weight sync trainer -> engine worker on CPU: today's path side by side with the previous one.
 
-Two processes on this machine, one gloo group between them (what the `ray` runtime forms between
-trainer rank 0 and each engine actor): the sender holds the policy, the receiver an HFEngine
-serving the same model. Per model preset, side by side:
-  - full-state: the sender materialises the whole state dict, ships it as one object, the
-    receiver loads it (what handing `full_model_state` to a remote engine amounts to);
-  - bucketed: tirl.distributed.weight_sync streams named parameters in size-bounded buckets.
-and, for reference, today's in-process path of the `local` runtime (state dict -> load_weights in
-the same process, no transport). Prints seconds per sync (median), MB/s, and the bytes the sender
-stages beyond its own parameters (full state + its pickle vs one bucket).
+Two processes (the trainer rank 0, the engine's worker) and a model of a realistic size (a Qwen3
+config of ~0.75 B parameters by default, untied, fp32 on the trainer as FSDP keeps it; the engine
+holds bf16, as vLLM does on a GPU). Per path: seconds per sync, bytes moved, copies made, seconds per
+GB of parameters, and the 14B projection at NVLink / InfiniBand bandwidths from the same byte counts.
 
-    python benchmarks/weight_sync.py [--presets tiny small] [--repeats 5] [--bucket-mb 1 16]
+  previous (group):  fp32 buckets over gloo -> the actor process -> per bucket a safetensors file in
+                     /dev/shm -> the worker reads it -> reload (cast to bf16) into the parameters
+  now (group):       bf16 buckets (cast while packing) over the sync group joined inside the worker
+                     -> one reload into the parameters
+  previous (local):  fp32 safetensors file in /dev/shm -> read by the worker -> reload
+  now (local):       one flat bf16 buffer mapped by the worker (no read copy) -> reload
+
+The group rows use gloo over loopback (what NCCL replaces on GPUs); the reload is a copy_ into
+preallocated bf16 tensors of the same shapes (vLLM's in-place reload is that copy per tensor).
+
+    python benchmarks/weight_sync.py [--layers 28 --hidden 1024 --intermediate 3072] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -27,112 +33,184 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tirl.distributed.weight_sync import SyncGroup, broadcast_pickled, free_port, receive_into, send_weights
+from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port, receive_stream, send_weights
+from tirl.engines.vllm import flat_plan, pack_flat, unpack_flat
+
+BUCKET = 512 * 2**20  # the recipe's bucket size
+QWEN3_14B_PARAMS = 14_768_307_200  # the meta-device count (tests/runtime/test_weight_sync.py)
+LINKS = {  # achievable one-way bandwidth, GB/s (1e9 bytes)
+    "NVLink 4 (H100, NCCL broadcast)": 360.0,
+    "InfiniBand NDR 400 Gb/s (one NIC)": 45.0,
+    "TCP over 100 GbE (gloo, previous path)": 10.0,
+}
 
 
-def _engine(model_dir: str):
-    from tirl.engines.config import EngineConfig
-    from tirl.engines.hf import HFEngine
+def _model(layers: int, hidden: int, intermediate: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3Config
 
-    return HFEngine(EngineConfig(model=model_dir, device="cpu", max_model_len=256, max_batch_size=1))
+    cfg = Qwen3Config(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=intermediate, vocab_size=151936, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.05, 0.05)
+    return model
 
 
-def _receiver(model_dir: str, conn) -> None:
+def _engine_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The engine's weights: same shapes, bf16."""
+    return {n: torch.empty(p.shape, dtype=torch.bfloat16) for n, p in model.named_parameters()}
+
+
+def _reload(params: dict[str, torch.Tensor], pairs) -> None:
+    for name, t in pairs:
+        params[name].copy_(t)
+
+
+def _worker(layers: int, hidden: int, intermediate: int, conn) -> None:
+    """The engine's worker: receives by the path the parent names, loads into bf16 parameters."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     torch.set_num_threads(1)
-    engine = _engine(model_dir)
-    cpu = torch.device("cpu")
+    params = _engine_params(_model(layers, hidden, intermediate))
     conn.send("ready")
+    channel: SyncChannel | None = None
     while (job := conn.recv()) is not None:
-        method, group = job
+        path, arg = job
+        if path in ("join", "leave"):  # the persistent group: joined once, reused by every sync
+            if channel is not None:
+                channel.close()
+            channel = SyncChannel(arg, 1) if path == "join" else None
+            continue
         start = time.perf_counter()
-        if method == "full":
-            pg = group.join(1)
-            state = broadcast_pickled(pg, None, cpu)
-            engine.load_weights(state.items())
-        else:
-            receive_into(group, 1, engine.load_weights, cpu)
+        if path == "group-now":
+            _reload(params, receive_stream(channel.pg, torch.device("cpu")))
+        elif path == "group-previous":
+            from tirl.distributed.weight_sync import receive_weights
+
+            for pairs in receive_weights(channel.pg, torch.device("cpu")):  # per bucket: file, read, reload
+                with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+                    file = os.path.join(tmp, "w.safetensors")
+                    save_file({n: t.contiguous() for n, t in pairs}, file)
+                    with safe_open(file, framework="pt") as f:
+                        _reload(params, ((n, f.get_tensor(n)) for n in f.keys()))  # noqa: SIM118
+        elif path == "local-previous":
+            with safe_open(arg, framework="pt") as f:
+                _reload(params, ((n, f.get_tensor(n)) for n in f.keys()))  # noqa: SIM118
+        elif path == "local-now":
+            file, nbytes, plan = arg
+            _reload(
+                params, unpack_flat(torch.from_file(file, shared=False, size=nbytes, dtype=torch.uint8), plan)
+            )
         conn.send(time.perf_counter() - start)
-    conn.send(_checksum(engine.model))
+    conn.send(float(sum(p.double().sum() for p in params.values())))
 
 
-def _checksum(model: torch.nn.Module) -> float:
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
+def _run(parent, path: str, model: torch.nn.Module, channel: SyncChannel | None) -> float:
+    """Seconds for one sync, from the sender starting until the worker loaded everything."""
+    from safetensors.torch import save_file
 
-
-def _sync(model: torch.nn.Module, method: str, bucket_bytes: int, conn) -> float:
-    group = SyncGroup("127.0.0.1", free_port(), 2)
-    conn.send((method, group))
     start = time.perf_counter()
-    pg = group.join(0)
-    if method == "full":
-        state = {n: p.detach().clone() for n, p in model.named_parameters()}  # the materialised copy
-        broadcast_pickled(pg, state, torch.device("cpu"))
-    else:
-        send_weights(model, pg, bucket_bytes, torch.device("cpu"))
-    conn.recv()  # the receiver has loaded everything
+    if path.startswith("group"):
+        parent.send((path, None))
+        dtype = torch.bfloat16 if path == "group-now" else None  # previous: fp32 as trained
+        send_weights(model, channel.pg, BUCKET, torch.device("cpu"), dtype)
+        parent.recv()
+    elif path == "local-previous":
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+            file = os.path.join(tmp, "weights.safetensors")
+            save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, file)
+            parent.send((path, file))
+            parent.recv()
+    else:  # local-now: the engine's own packing (tirl.engines.vllm.VLLMEngine._load_shm)
+        tensors = list(model.named_parameters())
+        plan, nbytes = flat_plan(tensors, torch.bfloat16)
+        with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="tirl-bench-") as f:
+            f.truncate(nbytes)
+            pack_flat(tensors, plan, torch.from_file(f.name, shared=True, size=nbytes, dtype=torch.uint8))
+            parent.send((path, (f.name, nbytes, plan)))
+            parent.recv()
     return time.perf_counter() - start
 
 
-def bench_preset(preset: str, repeats: int, bucket_mbs: list[float]) -> list[dict]:
-    from transformers import AutoModelForCausalLM
-
-    from tirl.tiny_model import create_tiny_model
-
-    model_dir = create_tiny_model(Path(tempfile.mkdtemp()) / preset, preset=preset, seed=0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    with torch.no_grad():  # different weights from the receiver's, so a sync really changes them
-        for p in model.parameters():
-            p.add_(0.01)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-
-    # today's local path: the engine in the same process
-    local = _engine(str(model_dir))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        local.load_weights((n, state[n]) for n, _ in model.named_parameters())
-        times.append(time.perf_counter() - start)
-    rows = [{"preset": preset, "method": "in-process (local runtime)", "s": statistics.median(times),
-             "bytes": nbytes, "staged": nbytes}]  # fmt: skip
-
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(str(model_dir), child))
-    proc.start()
-    assert parent.recv() == "ready"
-    methods = [("full", 0, "full state, one object")]
-    methods += [("bucketed", int(mb * 2**20), f"bucketed {mb:g} MB") for mb in bucket_mbs]
-    for method, bucket, label in methods:
-        times = [_sync(model, method, bucket, parent) for _ in range(repeats)]
-        staged = 2 * nbytes if method == "full" else min(bucket, nbytes)  # copy + pickle vs one bucket
-        rows.append({"preset": preset, "method": label, "s": statistics.median(times), "bytes": nbytes,
-                     "staged": staged})  # fmt: skip
-    parent.send(None)
-    remote = parent.recv()
-    proc.join()
-    if abs(remote - _checksum(model)) > 1e-3 * max(1.0, abs(remote)):
-        raise SystemExit(f"{preset}: the engine's weights differ from the trainer's after the syncs")
-    return rows
+# (path, bytes per parameter moved, copies of the whole model made: sender pack/serialise, transport,
+# file write, file read, reload into the parameters)
+PATHS = {
+    "group-previous": ("previous: fp32 group -> actor -> shm file per bucket -> worker", 4,
+                       "pack, gloo, file write, file read, reload = 5"),
+    "group-now": ("now: bf16 group inside the worker, one reload", 2, "pack+cast, gloo, reload = 3"),
+    "local-previous": ("previous local: fp32 safetensors in /dev/shm", 4, "file write, file read, reload = 3"),
+    "local-now": ("now local: flat bf16 buffer mapped by the worker", 2, "pack+cast into the mapping, reload = 2"),
+}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--bucket-mb", nargs="+", type=float, default=[1.0, 16.0])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=3072)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"weight sync, CPU (gloo over loopback), median of {args.repeats}")
-    print("| preset | method | params MB | s / sync | MB/s | sender staging MB | speed vs full state |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for preset in args.presets:
-        rows = bench_preset(preset, args.repeats, args.bucket_mb)
-        full = next(r["s"] for r in rows if r["method"].startswith("full"))
-        for r in rows:
-            mb = r["bytes"] / 2**20
-            print(f"| {r['preset']} | {r['method']} | {mb:.1f} | {r['s']:.4f} | {mb / r['s']:.0f} | "
-                  f"{r['staged'] / 2**20:.1f} | {full / r['s']:.2f}x |", flush=True)  # fmt: skip
+    shape = (args.layers, args.hidden, args.intermediate)
+    model = _model(*shape)
+    n = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # different weights from the worker's, so a sync really changes them
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_worker, args=(*shape, child))
+    proc.start()
+    assert parent.recv() == "ready"
+    rows = []
+    for path in PATHS:
+        channel = None
+        if path.startswith("group"):  # one persistent group per path, joined by both ends at once
+            group = SyncGroup("127.0.0.1", free_port(), 2, "gloo")
+            parent.send(("join", group))
+            channel = SyncChannel(group, 0)
+        times = [_run(parent, path, model, channel) for _ in range(args.repeats)]
+        if channel is not None:
+            parent.send(("leave", None))
+            channel.close()
+        rows.append((path, statistics.median(times)))
+    parent.send(None)
+    remote = parent.recv()
+    proc.join()
+    want = float(sum(p.detach().to(torch.bfloat16).double().sum() for p in model.parameters()))
+    if abs(remote - want) > 1e-3 * max(1.0, abs(want)):
+        raise SystemExit(
+            f"the worker's weights differ from the trainer's after the syncs ({remote} vs {want})"
+        )
+    _report(rows, n, args.repeats)
+
+
+def _report(rows: list[tuple[str, float]], n: int, repeats: int) -> None:
+    gb = 2 * n / 1e9  # the engine's bf16 bytes: "GB of model" below
+    print(f"weight sync on CPU, {n / 1e9:.2f} B parameters ({gb:.2f} GB in bf16), median of {repeats}, "
+          f"buckets {BUCKET >> 20} MiB")  # fmt: skip
+    print("| path | bytes moved (GB) | whole-model copies | s / sync | s / GB of model | vs previous |")
+    print("| --- | ---: | --- | ---: | ---: | ---: |")
+    base = dict(rows)
+    for path, s in rows:
+        label, per_param, copies = PATHS[path]
+        previous = base["group-previous" if path.startswith("group") else "local-previous"]
+        print(f"| {label} | {per_param * n / 1e9:.2f} | {copies} | {s:.2f} | {s / gb:.2f} | "
+              f"{previous / s:.2f}x |")  # fmt: skip
+    print(
+        f"\nQwen3-14B ({QWEN3_14B_PARAMS / 1e9:.2f} B parameters): bytes on the wire per sync and link time"
+    )
+    for per_param, what in ((2, "bf16 (now)"), (4, "fp32 (previous)")):
+        size = per_param * QWEN3_14B_PARAMS / 1e9
+        times = ", ".join(f"{name}: {size / bw:.2f} s" for name, bw in LINKS.items())
+        print(f"- {what}: {size:.1f} GB; {times}")
 
 
 if __name__ == "__main__":

@@ -58,10 +58,10 @@ def _qwen3_14b_on_meta() -> torch.nn.Module:
 
     config = Qwen3Config(
         hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
-        intermediate_size=17408, vocab_size=151936, tie_word_embeddings=False, torch_dtype=torch.bfloat16,
+        intermediate_size=17408, vocab_size=151936, tie_word_embeddings=False,
     )  # fmt: skip
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
 def test_qwen3_14b_plan_keeps_merged_groups_whole_and_moves_two_bytes_per_parameter():
