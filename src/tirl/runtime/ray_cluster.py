@@ -44,7 +44,9 @@ def connect(cluster: ClusterConfig, num_engines: int = 1, trainer_ranks: int = 0
         "log_to_driver": True,
     }
     if cluster.address is None:
-        ray.init(num_cpus=cluster.private_ray_cpus(num_engines, trainer_ranks), **options)
+        # address="local": a new Ray of its own; with no address Ray joins a cluster that `ray start`
+        # left running on this machine, and refuses num_cpus there.
+        ray.init(address="local", num_cpus=cluster.private_ray_cpus(num_engines, trainer_ranks), **options)
         return ray
     if cluster.address != "auto":
         host, _, port = cluster.address.rpartition(":")
