@@ -1,0 +1,249 @@
+"""Checkpoint behaviour in milliseconds, with a stand-in model (tirl.rl.checkpoint): what a save
+writes (model, tokenizer, trainer state with every RNG, the agent settings), atomic replacement of a
+re-saved step, pruning to exactly keep_last, the agent-settings warning, model-path resolution, and
+what prepare_run_dir removes, says and refuses; see docs/mutation.md."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tirl.agent.config import AgentConfig
+from tirl.config import ConfigError
+from tirl.rl.checkpoint import (
+    AGENT_FILE,
+    PROMPT_FIELDS,
+    RUN_FILES,
+    agent_settings_warning,
+    latest_checkpoint,
+    latest_model_dir,
+    list_checkpoints,
+    load_trainer_state,
+    prepare_run_dir,
+    resolve_model_path,
+    rng_states,
+    save_checkpoint,
+    saved_agent_settings,
+    set_rng_states,
+)
+from tirl.rl.config import TrainConfig
+
+
+class Saver:
+    """save_pretrained as transformers calls it: what it was given is written to the directory."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.calls: list[dict] = []
+
+    def save_pretrained(self, path, **kw):
+        self.calls.append({"path": path, **kw})
+        path.mkdir(parents=True, exist_ok=True)
+        (path / f"{self.kind}.txt").write_text(repr(sorted(kw.get("state_dict", {}))))
+
+
+def save(run_dir, step, keep_last=3, tokenizer=True, state=None):
+    model = Saver("model")
+    tok = Saver("tokenizer") if tokenizer else None
+    path = save_checkpoint(run_dir, step, model, {"w": 1}, tok, state or {"step": step}, keep_last)
+    return path, model, tok
+
+
+def test_a_save_writes_model_tokenizer_and_trainer_state_with_the_rngs(tmp_path):
+    random.seed(4)
+    expected = rng_states()
+    path, model, tok = save(tmp_path, 7, state={"step": 7, "x": "y"})
+    assert path == tmp_path / "checkpoints" / "step_000007" and path.is_dir()
+    [call] = model.calls
+    assert call["state_dict"] == {"w": 1} and call["safe_serialization"] is True
+    assert call["path"].name == "model"
+    assert (path / "model" / "model.txt").is_file() and (path / "model" / "tokenizer.txt").is_file()
+    [tcall] = tok.calls
+    assert tcall["path"] == call["path"]
+    state = load_trainer_state(path)
+    assert state["step"] == 7 and state["x"] == "y"
+    assert state["rng"]["python"] == expected["python"]
+    assert torch.equal(state["rng"]["torch"], expected["torch"])
+    assert np.array_equal(state["rng"]["numpy"][1], expected["numpy"][1])
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000007"]  # no temp left
+    assert not (path / "model" / AGENT_FILE).exists()  # the run has no config.yaml
+
+
+def test_without_a_tokenizer_only_the_model_is_saved(tmp_path):
+    path, _, _ = save(tmp_path, 1, tokenizer=False)
+    assert [p.name for p in (path / "model").iterdir()] == ["model.txt"]
+
+
+def test_a_leftover_temp_directory_of_this_process_is_replaced(tmp_path):
+    import os
+
+    stale = tmp_path / "checkpoints" / f".tmp_step_000003_{os.getpid()}"
+    (stale / "model").mkdir(parents=True)
+    (stale / "model" / "junk").write_text("x")
+    path, _, _ = save(tmp_path, 3)
+    assert not (path / "model" / "junk").exists() and not stale.exists()
+
+
+def test_resaving_a_step_replaces_it_whole(tmp_path):
+    path, _, _ = save(tmp_path, 5, state={"step": 5, "v": 1})
+    (path / "extra").write_text("from the first save")
+    again, _, _ = save(tmp_path, 5, state={"step": 5, "v": 2})
+    assert again == path and not (path / "extra").exists()
+    assert load_trainer_state(path)["v"] == 2
+
+
+@pytest.mark.parametrize("keep_last", [1, 2, 3])
+def test_pruning_keeps_exactly_the_newest_keep_last(tmp_path, keep_last):
+    for step in (9, 10, 100, 1000):
+        save(tmp_path, step, keep_last=keep_last)
+    kept = [s for s, _ in list_checkpoints(tmp_path)]
+    assert kept == [9, 10, 100, 1000][-keep_last:]
+    assert latest_checkpoint(tmp_path).name == "step_001000"
+
+
+def test_agent_settings_are_saved_with_the_model_and_read_back(tmp_path):
+    agent = AgentConfig(max_turns=3, system_prompt="S", prefill="<p>")
+    dumped = agent.model_dump(mode="json")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"agent": dumped}, sort_keys=False))
+    path, _, _ = save(tmp_path, 2)
+    text = (path / "model" / AGENT_FILE).read_text()
+    assert text.startswith(
+        "# The agent settings this model was trained with (tirl eval/chat use them by default).\n"
+    )
+    assert list(yaml.safe_load(text)) == list(dumped)  # the config's key order, not sorted
+    assert list(dumped) != sorted(dumped)
+    got, file = saved_agent_settings(path / "model")
+    assert got == agent and file == path / "model" / AGENT_FILE
+    assert saved_agent_settings(tmp_path) is None
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": "m"}))  # no agent section
+    path, _, _ = save(tmp_path, 3)
+    assert not (path / "model" / AGENT_FILE).exists()
+
+
+def test_bad_saved_agent_settings_name_their_file(tmp_path):
+    (tmp_path / AGENT_FILE).write_text("max_turns: -5\n")
+    with pytest.raises(ConfigError) as err:
+        saved_agent_settings(tmp_path)
+    assert f" in {tmp_path / AGENT_FILE}" in str(err.value)
+
+
+def test_the_agent_settings_warning_names_each_prompt_field_that_changed(tmp_path):
+    trained = AgentConfig(system_prompt="S", max_turns=3)
+    (tmp_path / AGENT_FILE).write_text(yaml.safe_dump(trained.model_dump(mode="json")))
+    assert agent_settings_warning(tmp_path, trained) is None
+    assert agent_settings_warning(tmp_path, trained.model_copy(update={"max_turns": 9})) is None  # a budget
+    assert agent_settings_warning(tmp_path / "nothing", AgentConfig()) is None
+    changed = trained.model_copy(update={"system_prompt": "T", "prefill": "x" * 100})
+    msg = agent_settings_warning(tmp_path, changed)
+    short = repr("x" * 100)[:57] + "..."
+    assert msg == (
+        f"warning: these agent settings differ from the ones the model was trained with "
+        f"({tmp_path / AGENT_FILE}): system_prompt: 'S' -> 'T', prefill: '<reason>' -> {short}; "
+        "the model's prompt changes and it may follow it badly (see docs/commands.md, agent settings)"
+    )
+    exact = trained.model_copy(update={"prefill": "y" * 58})  # repr is 60 characters: shown whole
+    assert f"-> {'y' * 58!r};" in agent_settings_warning(tmp_path, exact)
+    assert len(PROMPT_FIELDS) == 10 and "tool_schema" in PROMPT_FIELDS and "max_turns" not in PROMPT_FIELDS
+    for field in PROMPT_FIELDS:
+        assert hasattr(trained, field)
+
+
+def test_load_trainer_state_and_latest_model_dir_say_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        load_trainer_state(tmp_path)
+    assert str(err.value) == f"{tmp_path} is not a tirl checkpoint (no trainer_state.pt)"
+    with pytest.raises(FileNotFoundError) as err:
+        latest_model_dir(tmp_path)
+    assert str(err.value) == f"no checkpoint under {tmp_path}/checkpoints"
+    save(tmp_path, 4)
+    save(tmp_path, 12)
+    assert latest_model_dir(tmp_path) == tmp_path / "checkpoints" / "step_000012" / "model"
+
+
+def test_resolve_model_path_for_each_kind_of_directory(tmp_path, monkeypatch):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert resolve_model_path(str(model)) == str(model)
+    ckpt = tmp_path / "ck"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "config.json").write_text("{}")
+    assert resolve_model_path(str(ckpt)) == str(ckpt / "model")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model_path(str(empty))
+    assert str(err.value) == f"model {empty}: not a model directory (no config.json), run or checkpoint"
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model_path("~/surely/not/here")
+    assert str(err.value) == (
+        "model ~/surely/not/here: no such directory; give a model directory (`tirl model init --out DIR` "
+        "makes a tiny one), a tirl run or checkpoint directory, or a Hugging Face id (org/name)"
+    )
+    monkeypatch.chdir(tmp_path)
+    for missing in ("a/b/c", ".hidden", "m/x"):
+        with pytest.raises(FileNotFoundError):
+            resolve_model_path(missing)
+    assert resolve_model_path("org/name") == "org/name" and resolve_model_path("gpt2") == "gpt2"
+
+
+def _cfg(tmp_path) -> TrainConfig:
+    return TrainConfig(model="m", output_dir=str(tmp_path), run_name="r", stages=[{"steps": 2, "data": "x"}])
+
+
+def test_prepare_run_dir_clears_every_partial_run_file_on_the_main_rank_only(tmp_path):
+    cfg = _cfg(tmp_path)
+    run = cfg.run_dir
+    assert RUN_FILES == ("config.yaml", "metrics.jsonl", "tensorboard")
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events").write_text("x")
+    (run / "keep.txt").write_text("not a run file")
+    said = []
+    assert prepare_run_dir(run, cfg, resume=False, is_main=False, say=said.append) is None
+    assert (run / "metrics.jsonl").exists() and (run / "tensorboard").exists()  # another rank: untouched
+    assert said == [f"{run} was stopped before its first checkpoint: starting it over from step 0"]
+    assert prepare_run_dir(run, cfg, resume=False, is_main=True, say=said.append) is None
+    assert not (run / "metrics.jsonl").exists() and not (run / "tensorboard").exists()
+    assert (run / "keep.txt").exists()
+    assert yaml.safe_load((run / "config.yaml").read_text())["run_name"] == "r"
+
+
+def test_prepare_run_dir_on_a_fresh_directory_says_nothing(tmp_path):
+    cfg = _cfg(tmp_path)
+    said = []
+    assert prepare_run_dir(cfg.run_dir, cfg, resume=False, is_main=True, say=said.append) is None
+    assert said == [] and (cfg.run_dir / "config.yaml").is_file()
+    fresh = _cfg(tmp_path / "other")
+    assert prepare_run_dir(fresh.run_dir, fresh, resume=False, is_main=False, say=said.append) is None
+    assert not fresh.run_dir.exists()
+
+
+def test_prepare_run_dir_refusals_in_full(tmp_path):
+    cfg = _cfg(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        prepare_run_dir(cfg.run_dir, cfg, resume=True, is_main=True)
+    assert str(err.value) == f"--resume: no checkpoint and no run in {cfg.run_dir}; start without --resume"
+    save(cfg.run_dir, 40)
+    with pytest.raises(ConfigError) as err:
+        prepare_run_dir(cfg.run_dir, cfg, resume=False, is_main=True)
+    assert str(err.value) == (
+        f"{cfg.run_dir} already holds a run: pass --resume to continue it, or choose another run_name/output_dir"
+    )
+    said = []
+    ckpt = prepare_run_dir(cfg.run_dir, cfg, resume=True, is_main=False, say=said.append)
+    assert ckpt == cfg.run_dir / "checkpoints" / "step_000040"
+    assert said == [f"resuming {cfg.run_dir} from step_000040 (step 40)"]
+
+
+def test_set_rng_states_ignores_a_cuda_state_without_cuda():
+    state = rng_states()
+    assert ("cuda" in state) == torch.cuda.is_available()
+    want = random.random()
+    set_rng_states({**state, "cuda": ["not a state"]} if not torch.cuda.is_available() else state)
+    assert random.random() == want
