@@ -6,6 +6,12 @@ Each slot serves one call at a time from a zygote process (tirl.sandbox.zygote):
 for a free slot at most `queue_timeout_s` (then `queue_timeout`), and at most `max_queue` callers
 wait at once (beyond that: `queue_timeout` at once). A zygote that dies or hangs is replaced and
 the call reports `sandbox_error`; neither is ever presented as the program's fault.
+
+Persistent sessions (session.py) are forked by a zygote of their own that serves no call, so no
+call, recycle or respawn ends one; each has its own uid, network namespace and cgroup. One
+admission rule covers calls and sessions: the session cap and the memory budget (running calls
+plus live sessions) are counted before anything waits, and `max_queue` bounds calls and session
+cells waiting together. docs/sandbox-sessions.md states the guarantees.
 """
 
 from __future__ import annotations
