@@ -58,3 +58,18 @@ def test_config_errors_are_one_error_line_naming_the_file_and_the_known_names(tm
 def test_tirl_alone_prints_its_help():
     done = _tirl()
     assert done.returncode == 0 and "Commands" in done.stdout and done.stderr == ""
+
+
+def test_train_and_sft_help_name_config_paths_that_exist():
+    from typer.testing import CliRunner
+
+    from tirl.cli import app
+
+    root = Path(SRC).parent
+    for command, name in (("train", "train"), ("sft", "sft")):
+        shown = CliRunner().invoke(app, [command, "--help"], terminal_width=200).output
+        assert (
+            f"src/tirl/configs/rstar2/{name}.yaml" in shown
+            and (root / f"src/tirl/configs/rstar2/{name}.yaml").is_file()
+        )
+    assert "stages.0.steps=3" in CliRunner().invoke(app, ["train", "--help"], terminal_width=200).output

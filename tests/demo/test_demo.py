@@ -144,3 +144,22 @@ def test_micro_comparison_over_seeds(tmp_path):
     assert seeds == [0, 1]
     report = (out / "report.md").read_text()
     assert "Comparison over 2 seeds" in report and "figure4.png" in report and "figure9.png" in report
+
+
+def test_demo_help_lists_every_knob_with_its_default_from_the_config_model():
+    from typer.testing import CliRunner
+
+    from tirl.cli import app
+    from tirl.demo.pipeline import CONFIG_DIR, DemoConfig
+
+    result = CliRunner().invoke(app, ["demo", "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    shipped = read_yaml(CONFIG_DIR / "demo.yaml")
+    for name, value in shipped.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                assert f"demo.{name}.{sub}={v}" in result.output, (name, sub)
+        else:
+            assert f"demo.{name}={value}:" in result.output, name
+        assert name in DemoConfig.model_fields
+    assert "train.stages.0.steps=5" in result.output  # list entries by position
