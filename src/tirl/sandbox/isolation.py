@@ -25,6 +25,8 @@ from tirl.sandbox import seccomp_filter
 from tirl.sandbox.cgroups import SlotCgroup
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tirl.sandbox.limits import Limits
 
 # Not imported from limits.py: the zygote must not load pydantic (a bigger image to fork per call).
@@ -186,9 +188,10 @@ def _bind_readonly(fd: int, target: str, flags: int = 0) -> None:
 def _build_root(runtime: list[str], uid: int | None, own_proc: bool) -> None:
     """Assemble the sandbox's filesystem from an allowlist in a tmpfs, then make it our root.
 
-    Read-only binds of the system directories, the Python runtime, a few /etc files and device
-    nodes; an empty /tmp, /dev/shm and /proc for each call's own mounts. Nothing else of the
-    host (home directories, data, the project's runs) exists inside.
+    Read-only binds of the system directories, the Python runtime (`runtime_paths`: stdlib,
+    site-packages, tirl.sandbox), a few /etc files and device nodes; an empty /tmp, /dev/shm and
+    /proc for each call's own mounts. Nothing else of the host (home directories, data, the
+    project's runs, the rest of the project's code) exists inside.
     """
     links = {p: os.readlink(p) for p in SYSTEM_DIRS if os.path.islink(p)}
     package = _package_root()
@@ -212,7 +215,8 @@ def _build_root(runtime: list[str], uid: int | None, own_proc: bool) -> None:
     Path(root("/etc/group")).write_text(GROUP.format(uid=uid if uid is not None else 65534))
     Path(root("/etc/hostname")).write_text(HOSTNAME + "\n")
     for p in (*dirs, *files):
-        _bind_readonly(*sources[p][:1], root(p), sources[p][1])
+        fd, flags = sources[p]
+        _bind_readonly(fd, root(p), flags)
     _bind_own_package(
         package, pieces, {p: sources[p] for p in pieces}, root, masked=any(_within(package, d) for d in dirs)
     )
@@ -236,18 +240,22 @@ def _mountpoint(path: str, directory: bool) -> None:
 
 
 def _bind_own_package(
-    package: str, pieces: list[str], sources: dict[str, tuple[int, int]], root: object, masked: bool
+    package: str,
+    pieces: list[str],
+    sources: dict[str, tuple[int, int]],
+    root: Callable[[str], str],
+    masked: bool,
 ) -> None:
     """Only tirl's sandbox files of the package: an empty directory holding binds of them (a tmpfs
     over the package when it sits inside a bound directory, e.g. installed into site-packages)."""
-    target = root(package)  # type: ignore[operator]
+    target = root(package)
     if masked:
         linux.mount("tmpfs", target, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=1m,mode=0755")
     for p in pieces:
-        _mountpoint(root(p), directory=os.path.isdir(p))  # type: ignore[operator]
+        _mountpoint(root(p), directory=os.path.isdir(p))
     for p in pieces:
         fd, flags = sources[p]
-        _bind_readonly(fd, root(p), flags)  # type: ignore[operator]
+        _bind_readonly(fd, root(p), flags)
     if masked:
         linux.mount(None, target, None, linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV)
 
