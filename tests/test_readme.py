@@ -158,9 +158,14 @@ def part(path: Path, heading: str | None) -> str:
     return text[start : end if end != -1 else len(text)]
 
 
+def runnable_blocks() -> list[tuple[str, str, str]]:
+    """(file name, language, text) of every fenced block of the runnable parts, in run order."""
+    return [(path.name, *block) for path, heading in RUNNABLE for block in fenced_blocks(part(path, heading))]
+
+
 def quickstart() -> list[tuple[str, str]]:
     """(language, text) of every fenced block of the runnable parts, in run order."""
-    return [block for path, heading in RUNNABLE for block in fenced_blocks(part(path, heading))]
+    return [(language, block) for _, language, block in runnable_blocks()]
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:
@@ -291,7 +296,7 @@ def test_every_quickstart_command_runs_as_written(rundir):
     server = None
     ran, seen = [], set()
     try:
-        for language, block in quickstart():
+        for name, language, block in runnable_blocks():
             if language == "python":
                 run_python(block, cwd, env)
                 ran.append("python snippet")
@@ -302,7 +307,7 @@ def test_every_quickstart_command_runs_as_written(rundir):
                 seen.add(tuple(argv))
                 key, rule = rule_for(argv)
                 command = small(argv, rule, port)
-                print(f"README: {shlex.join(argv)}\n   ran as: {shlex.join(command)}", flush=True)
+                print(f"{name}: {shlex.join(argv)}\n   ran as: {shlex.join(command)}", flush=True)
                 if key == "tirl sandbox serve":  # a server: it runs while the commands below it talk to it
                     server = subprocess.Popen(
                         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
