@@ -1,0 +1,103 @@
+"""The weight sync's plan, exactly (tirl.distributed.weight_sync: entries, slots, layer groups,
+buckets): what travels in which dtype, each entry's aligned room, which names form one unsplittable
+group, and how buckets fill up to exactly their bound; see docs/mutation.md."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tirl.distributed.weight_sync import ALIGN, Entry, SyncGroup, layer_group, plan_buckets, plan_entries
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "nbytes", "slot"),
+    [((16,), "torch.float32", 64, 64), ((17,), "torch.float32", 68, 128), ((), "torch.float64", 8, 64),
+     ((0,), "torch.float16", 2, 64), ((2, 3), "torch.bfloat16", 12, 64), ((32, 4), "torch.float16", 256, 256),
+     ((33,), "torch.float64", 264, 320)],
+)  # fmt: skip
+def test_entry_bytes_and_aligned_slot(shape, dtype, nbytes, slot):
+    e = Entry("w", shape, dtype)
+    assert (e.nbytes, e.slot) == (nbytes, slot)
+    assert ALIGN == 64
+
+
+@pytest.mark.parametrize(
+    ("name", "group"),
+    [("model.layers.3.mlp.up_proj.weight", "model.layers.3"), ("model.layers.10.input_layernorm.weight", "model.layers.10"),
+     ("a.layers.3.b.layers.4.c", "a.layers.3"), ("lm_head.weight", "lm_head"), ("bias", "bias"),
+     ("model.layers.weight", "model.layers"), ("model.layers.7", "model.layers"), ("x.layers.2x.w", "x.layers.2x")],
+)  # fmt: skip
+def test_layer_groups(name, group):
+    assert layer_group(name) == group
+
+
+def E(name: str, n: int) -> Entry:
+    return Entry(name, (n,), "torch.float32")  # n * 4 bytes
+
+
+def names(buckets) -> list[list[str]]:
+    return [[e.name for e in b] for b in buckets]
+
+
+def test_a_bucket_fills_up_to_exactly_its_bound():
+    entries = [E("a.w", 16), E("b.w", 16), E("c.w", 16), E("d.w", 16)]  # 64 B each
+    assert names(plan_buckets(entries, 128)) == [["a.w", "b.w"], ["c.w", "d.w"]]
+    assert names(plan_buckets(entries, 127)) == [["a.w"], ["b.w"], ["c.w"], ["d.w"]]
+    assert names(plan_buckets(entries, 10_000)) == [["a.w", "b.w", "c.w", "d.w"]]
+    assert plan_buckets([], 128) == []
+
+
+def test_a_group_too_big_for_a_bucket_gets_its_own_and_the_next_starts_fresh():
+    entries = [E("a.w", 16), E("big.w", 100), E("c.w", 16), E("d.w", 16)]
+    assert names(plan_buckets(entries, 128)) == [["a.w"], ["big.w"], ["c.w", "d.w"]]
+
+
+def test_layer_groups_are_kept_whole_only_when_consecutive():
+    entries = [
+        E("model.layers.0.q.weight", 16),
+        E("model.layers.0.k.weight", 16),
+        E("model.layers.0.v.weight", 16),
+        E("model.layers.1.q.weight", 16),
+        E("model.layers.0.o.weight", 16),  # the same layer again, after another one: a new group
+    ]
+    assert names(plan_buckets(entries, 128)) == [
+        ["model.layers.0.q.weight", "model.layers.0.k.weight", "model.layers.0.v.weight"],
+        ["model.layers.1.q.weight", "model.layers.0.o.weight"],
+    ]
+    assert names(plan_buckets(entries, 128, whole_layers=False)) == [
+        ["model.layers.0.q.weight", "model.layers.0.k.weight"],
+        ["model.layers.0.v.weight", "model.layers.1.q.weight"],
+        ["model.layers.0.o.weight"],
+    ]
+
+
+def test_a_group_joins_a_bucket_only_if_the_whole_group_fits():
+    entries = [E("x.w", 16), E("model.layers.0.a", 16), E("model.layers.0.b", 16), E("y.w", 16)]
+    assert names(plan_buckets(entries, 192)) == [["x.w", "model.layers.0.a", "model.layers.0.b"], ["y.w"]]
+    assert names(plan_buckets(entries, 160)) == [["x.w"], ["model.layers.0.a", "model.layers.0.b"], ["y.w"]]
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 4)
+        self.head = torch.nn.Linear(4, 5, bias=True)
+        self.head.weight = self.emb.weight  # tied: travels once
+        self.steps = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+
+
+def test_plan_entries_cast_floating_parameters_only_and_send_tied_ones_once():
+    model = Toy()
+    assert plan_entries(model) == [
+        Entry("steps", (3,), "torch.int64"),  # the module's own parameters first, then its children's
+        Entry("emb.weight", (5, 4), "torch.float32"),
+        Entry("head.bias", (5,), "torch.float32"),
+    ]
+    wire = [e.dtype for e in plan_entries(model, torch.bfloat16)]
+    assert wire == ["torch.int64", "torch.bfloat16", "torch.bfloat16"]
+
+
+def test_sync_group_defaults_and_plain_values():
+    g = SyncGroup("h", 123, 3)
+    assert g.as_dict() == {"host": "h", "port": 123, "world_size": 3, "backend": "gloo", "timeout_s": 600.0}
