@@ -45,7 +45,7 @@ LINKS = {  # achievable one-way bandwidth, GB/s (1e9 bytes)
 }
 
 
-def _model(layers: int, hidden: int, intermediate: int) -> torch.nn.Module:
+def _model(layers: int, hidden: int, intermediate: int, materialise: bool = True) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     cfg = Qwen3Config(
@@ -54,6 +54,8 @@ def _model(layers: int, hidden: int, intermediate: int) -> torch.nn.Module:
     )  # fmt: skip
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if not materialise:
+        return model  # shapes only
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
@@ -77,7 +79,7 @@ def _worker(layers: int, hidden: int, intermediate: int, conn) -> None:
     from safetensors.torch import save_file
 
     torch.set_num_threads(1)
-    params = _engine_params(_model(layers, hidden, intermediate))
+    params = _engine_params(_model(layers, hidden, intermediate, materialise=False))
     conn.send("ready")
     channel: SyncChannel | None = None
     while (job := conn.recv()) is not None:
