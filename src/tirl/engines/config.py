@@ -46,4 +46,8 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False  # vllm colocated with the trainer: free memory while training
     seed: int = 0
+    # Each request sampled with its own seed (reproducible trajectories, exact resume). vLLM on a GPU
+    # samples seeded requests one at a time (a generator each): at hundreds of requests in flight,
+    # false (the engine's seed only) is the faster choice.
+    request_seeds: bool = True
     remote: RemoteServers = Field(default_factory=RemoteServers)

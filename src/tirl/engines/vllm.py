@@ -338,7 +338,7 @@ class VLLMEngine:
             stop_token_ids=list(params.stop_token_ids),
             stop=list(params.stop_strings) or None,
             include_stop_str_in_output=True,  # "</tool_call>" stays in the turn's tokens
-            seed=params.seed,
+            seed=params.seed if self.cfg.request_seeds else None,
             logprobs=0,  # the sampled token's logprob only
         )
         final = None
