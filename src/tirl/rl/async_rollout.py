@@ -163,6 +163,12 @@ class GroupProducer:
         return self.first_step + batch, slot
 
     async def _run(self, group: _Group) -> None:
+        try:
+            await self._generate_group(group)
+        finally:  # done or failed: either way take() and all_done() must look again (a failure is raised)
+            self._changed.set()
+
+    async def _generate_group(self, group: _Group) -> None:
         problem = self.problems[group.draw.problem]
         step, slot = self._seeds(group.draw)
         rollout_seed = derive_seed(self.seed, step)
@@ -174,7 +180,6 @@ class GroupProducer:
         group.kept = self.select(group.trajectories, derive_seed(self.seed, step, slot))
         group.done, group.done_at = True, self._completed
         self._completed += 1
-        self._changed.set()
 
     async def _one(self, pool: VersionedPool, problem: Problem, draw: Draw, j: int, seed: int) -> Trajectory:
         async with self._gate:
