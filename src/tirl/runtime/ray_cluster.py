@@ -15,6 +15,8 @@ goes over gloo then, since NCCL refuses two members of one group on one GPU (tir
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from tirl.lifetime import QUIET_ENV
 from tirl.runtime.config import ClusterConfig, Resources, require_ray
 
 READY_TIMEOUT_S = 300.0  # placement groups and actors (loading a model) must be up within this
@@ -43,6 +46,8 @@ def connect(cluster: ClusterConfig, num_engines: int = 1, trainer_ranks: int = 0
         "include_dashboard": False,
         "log_to_driver": True,
     }
+    if os.environ.get(QUIET_ENV) == "1":  # a tirl command without --verbose: Ray's notices off (its
+        options["logging_level"] = logging.ERROR  # start-up and token-authentication lines)
     if cluster.address is None:
         # address="local": a new Ray of its own; with no address Ray joins a cluster that `ray start`
         # left running on this machine, and refuses num_cpus there.
@@ -225,8 +230,6 @@ def open_placement(cluster: ClusterConfig, num_engines: int, trainer_ranks: int 
 
 def whereabouts() -> dict[str, Any]:
     """Where the calling actor runs: its node, placement group and bundle, GPU ids and pid."""
-    import os
-
     import ray
 
     ctx = ray.get_runtime_context()
