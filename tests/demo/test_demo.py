@@ -163,3 +163,13 @@ def test_demo_help_lists_every_knob_with_its_default_from_the_config_model():
             assert f"demo.{name}={value}:" in result.output, name
         assert name in DemoConfig.model_fields
     assert "train.stages.0.steps=5" in result.output  # list entries by position
+
+
+def test_a_prompt_too_long_for_the_rl_engine_fails_before_sft(tmp_path):
+    """The demo's RL config is checked as soon as its problems exist, not after minutes of SFT."""
+    from tirl.demo import DemoError, run_demo
+
+    small = ["demo.preset=tiny", "demo.sft_problems=4", "demo.rl_problems=4", "demo.heldout_problems=2"]
+    with pytest.raises(DemoError, match=r"phase 'data'.*does not fit engine\.max_model_len=32"):
+        run_demo(tmp_path / "out", overrides=[*small, "train.engine.max_model_len=32"], progress=False)
+    assert not (tmp_path / "out" / "data" / "sft_traces.jsonl").exists()

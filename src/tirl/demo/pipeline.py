@@ -187,6 +187,7 @@ def run_demo(
         init_model = _create_model(settings.demo, out)
     with phase("data", "generate synthetic problems (train / held-out)"):
         sft_problems, rl_data, heldout = _make_problems(settings.demo, out)
+        _check_training(settings, init_model, rl_data, out)
     with phase("traces", "write SFT traces (real tool outputs from the sandbox)"):
         traces = asyncio.run(_make_traces(settings, sft_problems, out))
     with phase("drills", f"SFT on copy drills: {settings.demo.drill_steps} steps (learn to copy numbers)"):
@@ -227,6 +228,14 @@ def _create_model(demo: DemoConfig, out: Path) -> Path:
     from tirl.tiny_model import create_tiny_model
 
     return create_tiny_model(out / "init_model", preset=demo.preset, seed=demo.seed)
+
+
+def _check_training(settings: DemoSettings, model: Path, data: str, out: Path) -> None:
+    """The RL runs' checks that need only their config and data (a prompt longer than
+    train.engine.max_model_len, ...), now rather than after SFT, minutes later (tirl.rl.preflight)."""
+    from tirl.rl.preflight import preflight_train
+
+    preflight_train(train_config(settings, model, data, out, "rl"))
 
 
 def _make_problems(demo: DemoConfig, out: Path):
