@@ -3,8 +3,8 @@ Ctrl-C reaches only that command, which then shuts its children down in order (a
 terminal's SIGINT too would die first, printing a traceback, or leave the command waiting on it).
 
 A command marks itself with `children_die_with_me()` (tirl.cli.main); then:
-- forked children (vLLM's engine core on CPU) get the parent-death signal (prctl PR_SET_PDEATHSIG) and
-  their own process group, through os.register_at_fork;
+- forked children (os.fork, multiprocessing's fork) get the parent-death signal (prctl
+  PR_SET_PDEATHSIG) and their own process group, through os.register_at_fork;
 - Python children that import tirl (`tirl sandbox serve`, sandbox zygotes, reward workers, vLLM's
   engine core, which vLLM starts with multiprocessing's spawn on CPU and on CUDA: fork+exec, so no
   at-fork hook runs in it) find their parent's pid in $TIRL_PARENT_PID when `import tirl` runs
@@ -15,6 +15,9 @@ A command marks itself with `children_die_with_me()` (tirl.cli.main); then:
   reaches it or the workers it starts.
 Linux sends the signal when the *thread* that started the child exits: tirl starts engines, sandboxes
 and reward workers from threads that live as long as they do.
+
+`quiet_third_party()` keeps a command's output its own (library warnings off unless --verbose); the
+children learn it from $TIRL_QUIET when they import tirl.
 """
 
 from __future__ import annotations
