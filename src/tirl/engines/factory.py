@@ -22,7 +22,19 @@ def build_engines(cfg: EngineConfig, model=None) -> list[Engine]:
         from tirl.engines.vllm import VLLMEngine  # imports vllm lazily: VLLMEngine says how to install it
 
         return [VLLMEngine(_engine_device(cfg, i), name=f"vllm{i}") for i in range(cfg.num_engines)]
-    raise ValueError(f"unknown engine.backend {cfg.backend!r}: use hf or vllm")
+    if cfg.backend == "remote":
+        if model is not None:
+            raise ValueError("the remote backend serves the servers' own weights; pass model=None")
+        from tirl.engines.remote import build_server_engines
+
+        return list(build_server_engines(cfg))
+    if cfg.backend == "sglang":
+        if model is not None:
+            raise ValueError("the sglang backend loads weights from engine.model; pass model=None")
+        from tirl.engines.sglang import SGLangEngine  # imports sglang lazily: it says how to install it
+
+        return [SGLangEngine(cfg, f"sglang{i}", _gpu_of(cfg, i)) for i in range(cfg.num_engines)]
+    raise ValueError(f"unknown engine.backend {cfg.backend!r}: use hf, vllm, remote or sglang")
 
 
 def build_pool(engines: list[Engine], cfg: EngineConfig) -> EnginePool:
@@ -43,3 +55,9 @@ def _engine_device(cfg: EngineConfig, index: int) -> EngineConfig:
     if cfg.device in ("auto", "cuda") and cfg.num_engines > 1 and torch.cuda.device_count() > 1:
         return cfg.model_copy(update={"device": f"cuda:{index % torch.cuda.device_count()}"})
     return cfg
+
+
+def _gpu_of(cfg: EngineConfig, index: int) -> str | None:
+    """The GPU an SGLang server of engine `index` sees alone (None: all of them, e.g. tensor parallel)."""
+    device = _engine_device(cfg, index).device if cfg.tensor_parallel_size == 1 else cfg.device
+    return device.split(":", 1)[1] if device.startswith("cuda:") else None

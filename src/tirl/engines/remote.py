@@ -1,0 +1,629 @@
+"""engine.backend=remote: inference servers that run elsewhere (`vllm serve`, an SGLang server).
+
+Token ids in, token ids and log-probs out, never text: vLLM's /v1/completions takes the prompt as a
+list of token ids and answers with the sampled ids (`return_token_ids`) and each one's log-prob
+(`logprobs=0`, tokens spelled `token_id:N` by `return_tokens_as_token_ids`, checked against the ids);
+SGLang's /generate takes `input_ids` and returns `output_ids` with `output_token_logprobs`.
+
+Each URL is one Engine. A poller per server reads its health and KV usage (vLLM's Prometheus
+/metrics, SGLang's /get_load), so `capacity()` never blocks the event loop and the KV-aware
+RolloutScheduler spreads trajectories over the servers as over in-process engines. A turn whose
+server fails (connection refused, 5xx) goes to the live server with the most free KV, as the Ray
+runtime's engine fleet does; a server that comes back rejoins at the next weight sync (its weights
+are stale until then) or at once if no sync happened yet.
+
+Weights move through storage both sides see (`engine.remote.weights_dir`): `load_weights` writes one
+safetensors file there ONCE per sync (not once per server) and every server reloads that directory in
+place (vLLM: `reload_weights` through /collective_rpc, which needs VLLM_SERVER_DEV_MODE=1 on the
+server; SGLang: /update_weights_from_disk), then drops its prefix cache (KV computed with the old
+weights). `load_weights_from_path` reloads a checkpoint directory the trainer already wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import httpx
+import torch
+
+from tirl.engines.base import Generation, KVCapacity, SamplingParams
+from tirl.engines.config import EngineConfig, RemoteServers
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CONTROL_TIMEOUT_S = 30.0  # health, metrics, cache resets
+RELOAD_TIMEOUT_S = 1800.0  # a weight reload reads the whole model from storage
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error, or could not be reached."""
+
+
+class NoLiveServerError(ServerError):
+    """Every server is down: no turn can run."""
+
+
+@dataclass
+class ServerLoad:
+    """What a poll of one server saw."""
+
+    healthy: bool
+    total_tokens: int | None = None
+    used_share: float | None = None  # KV cache in use, 0..1
+    preemptions: int = 0
+
+
+class ServerAPI(Protocol):
+    """How one kind of server spells generation, load, weight reload, cache reset and sleep."""
+
+    def generate_body(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> dict: ...
+
+    generate_path: str
+
+    def parse_generation(self, body: dict) -> Generation: ...
+
+    async def describe(self, http: httpx.AsyncClient) -> tuple[str, int | None]: ...
+
+    async def load(self, http: httpx.AsyncClient) -> ServerLoad: ...
+
+    def reload(self, http: httpx.Client, path: str) -> None: ...
+
+    def reset_prefix_cache(self, http: httpx.Client) -> None: ...
+
+    def sleep(self, http: httpx.Client) -> None: ...
+
+    def wake_up(self, http: httpx.Client) -> None: ...
+
+
+def _check(resp: httpx.Response, what: str) -> httpx.Response:
+    if resp.status_code >= 400:
+        raise ServerError(f"{what}: {resp.request.url} answered HTTP {resp.status_code}: {resp.text[:500]}")
+    return resp
+
+
+# ---- vLLM's OpenAI-compatible server ------------------------------------------------------------------
+
+
+class VLLMServerAPI:
+    """`vllm serve` (start it with --logprobs-mode processed_logprobs: log-probs under the sampling
+    distribution, as the in-process engine reports; --generation-config vllm: no sampling defaults
+    from the model's generation_config; VLLM_SERVER_DEV_MODE=1 for weight reloads and cache resets)."""
+
+    generate_path = "/v1/completions"
+
+    def __init__(self, served_model: str = ""):
+        self.model = served_model
+
+    def generate_body(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> dict:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(prompt_ids),  # token ids: the server never tokenizes text of ours
+            "max_tokens": max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "stop_token_ids": list(params.stop_token_ids),
+            "include_stop_str_in_output": True,  # "</tool_call>" stays in the turn's tokens
+            "skip_special_tokens": False,
+            "logprobs": 0,  # the sampled token's log-prob only
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        }
+        if params.stop_strings:
+            body["stop"] = list(params.stop_strings)
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    def parse_generation(self, body: dict) -> Generation:
+        choice = body["choices"][0]
+        token_ids = [int(t) for t in choice.get("token_ids") or []]
+        lp = choice.get("logprobs") or {}
+        spelled = [_token_id(t) for t in lp.get("tokens") or []]
+        if spelled != token_ids:
+            raise ServerError(
+                "the server's log-prob tokens do not match its token ids: serve a vLLM that supports "
+                "return_token_ids and return_tokens_as_token_ids"
+            )
+        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+        reason = choice.get("finish_reason")
+        return Generation(token_ids, logprobs, reason if reason in ("stop", "length") else "abort")
+
+    async def describe(self, http: httpx.AsyncClient) -> tuple[str, int | None]:
+        resp = _check(await http.get("/v1/models", timeout=CONTROL_TIMEOUT_S), "list models")
+        models = resp.json().get("data") or []
+        if not models:
+            raise ServerError(f"{http.base_url} serves no model")
+        chosen = next((m for m in models if m.get("id") == self.model), models[0])
+        if not self.model:
+            self.model = chosen["id"]
+        return self.model, chosen.get("max_model_len")
+
+    async def load(self, http: httpx.AsyncClient) -> ServerLoad:
+        resp = await http.get("/metrics", timeout=CONTROL_TIMEOUT_S)
+        if resp.status_code != 200:
+            return ServerLoad(healthy=False)
+        return parse_vllm_metrics(resp.text)
+
+    def reload(self, http: httpx.Client, path: str) -> None:
+        # vLLM's own in-place reload from a checkpoint directory (no tirl code on the server needed).
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        _check(http.post("/collective_rpc", json=body, timeout=RELOAD_TIMEOUT_S), _dev_mode("reload weights"))
+        self.reset_prefix_cache(http)
+
+    def reset_prefix_cache(self, http: httpx.Client) -> None:
+        # Running requests too: their cached blocks were computed with the old weights.
+        resp = http.post(
+            "/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=CONTROL_TIMEOUT_S
+        )
+        _check(resp, _dev_mode("reset the prefix cache"))
+
+    def sleep(self, http: httpx.Client) -> None:
+        _check(http.post("/sleep", params={"level": "1"}, timeout=RELOAD_TIMEOUT_S), _dev_mode("sleep"))
+
+    def wake_up(self, http: httpx.Client) -> None:
+        _check(http.post("/wake_up", timeout=RELOAD_TIMEOUT_S), _dev_mode("wake up"))
+
+
+def _dev_mode(what: str) -> str:
+    return f"{what} (start `vllm serve` with VLLM_SERVER_DEV_MODE=1: the endpoint is a development one)"
+
+
+def _token_id(spelled: str) -> int:
+    """'token_id:123' -> 123 (vLLM's return_tokens_as_token_ids spelling)."""
+    prefix = "token_id:"
+    if not spelled.startswith(prefix):
+        raise ServerError(
+            f"log-prob token {spelled!r} is not an id: the server ignored return_tokens_as_token_ids"
+        )
+    return int(spelled[len(prefix) :])
+
+
+def parse_vllm_metrics(text: str) -> ServerLoad:
+    """KV usage, total KV tokens (cache_config_info: blocks x block size) and preemptions from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    load = ServerLoad(healthy=True)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:kv_cache_usage_perc":
+                load.used_share = max(load.used_share or 0.0, float(sample.value))
+            elif sample.name == "vllm:num_preemptions_total":
+                load.preemptions += int(sample.value)
+            elif sample.name == "vllm:cache_config_info":
+                blocks = sample.labels.get("num_gpu_blocks")
+                size = sample.labels.get("block_size")
+                if blocks not in (None, "None") and size not in (None, "None"):
+                    load.total_tokens = int(blocks) * int(size)
+    return load
+
+
+# ---- SGLang's native server ---------------------------------------------------------------------------
+
+
+class SGLangServerAPI:
+    """`python -m sglang.launch_server` (its native /generate: token ids in and out)."""
+
+    generate_path = "/generate"
+
+    def __init__(self, served_model: str = ""):
+        self.model = served_model
+
+    def generate_body(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> dict:
+        sampling: dict[str, Any] = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_new_tokens": max_tokens,
+            "stop_token_ids": list(params.stop_token_ids),
+            "no_stop_trim": True,  # keep "</tool_call>" and the stop token in the output
+            "skip_special_tokens": False,
+        }
+        if params.stop_strings:
+            sampling["stop"] = list(params.stop_strings)
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        return {"input_ids": list(prompt_ids), "sampling_params": sampling, "return_logprob": True}
+
+    def parse_generation(self, body: dict) -> Generation:
+        meta = body.get("meta_info") or {}
+        pairs = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text|None], ...]
+        token_ids = [int(p[1]) for p in pairs]
+        output_ids = body.get("output_ids")
+        if output_ids is not None and [int(t) for t in output_ids] != token_ids:
+            raise ServerError("SGLang's output_ids and output_token_logprobs disagree")
+        logprobs = [float(p[0]) for p in pairs]
+        reason = (meta.get("finish_reason") or {}).get("type")
+        return Generation(token_ids, logprobs, reason if reason in ("stop", "length") else "abort")
+
+    async def describe(self, http: httpx.AsyncClient) -> tuple[str, int | None]:
+        info = _check(await http.get("/get_model_info", timeout=CONTROL_TIMEOUT_S), "model info").json()
+        server = _check(await http.get("/get_server_info", timeout=CONTROL_TIMEOUT_S), "server info").json()
+        self.model = self.model or info.get("model_path", "")
+        return self.model, server.get("context_length") or server.get("max_total_num_tokens")
+
+    async def load(self, http: httpx.AsyncClient) -> ServerLoad:
+        resp = await http.get("/get_load", timeout=CONTROL_TIMEOUT_S)
+        if resp.status_code != 200:
+            return ServerLoad(healthy=False)
+        return parse_sglang_load(resp.json())
+
+    def reload(self, http: httpx.Client, path: str) -> None:
+        resp = http.post("/update_weights_from_disk", json={"model_path": path}, timeout=RELOAD_TIMEOUT_S)
+        body = _check(resp, "reload weights").json()
+        if body.get("success") is False:
+            raise ServerError(f"SGLang could not load {path}: {body.get('message')}")
+        self.reset_prefix_cache(http)
+
+    def reset_prefix_cache(self, http: httpx.Client) -> None:
+        _check(http.post("/flush_cache", timeout=CONTROL_TIMEOUT_S), "flush the cache")
+
+    def sleep(self, http: httpx.Client) -> None:
+        _check(http.post("/release_memory_occupation", json={}, timeout=RELOAD_TIMEOUT_S), "release memory")
+
+    def wake_up(self, http: httpx.Client) -> None:
+        _check(http.post("/resume_memory_occupation", json={}, timeout=RELOAD_TIMEOUT_S), "resume memory")
+
+
+def parse_sglang_load(body: Any) -> ServerLoad:
+    """/get_load answers one record per data-parallel rank; tokens in use over the pool's size."""
+    ranks = body if isinstance(body, list) else [body]
+    total = used = 0
+    for rank in ranks:
+        total += int(rank.get("max_total_num_tokens") or 0)
+        used += int(rank.get("num_tokens") or rank.get("num_used_tokens") or 0)
+    return ServerLoad(True, total or None, used / total if total else None)
+
+
+API_KINDS: dict[str, type] = {"vllm": VLLMServerAPI, "sglang": SGLangServerAPI}
+
+
+# ---- one server = one Engine ----------------------------------------------------------------------------
+
+
+def _headers(servers: RemoteServers) -> dict[str, str]:
+    key = servers.api_key or os.environ.get("TIRL_ENGINE_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class ServerEngine:
+    """The Engine interface on one inference server. HTTP runs on the engine's own event-loop thread,
+    so callers on any loop share one connection pool and the sync methods never block a loop."""
+
+    def __init__(self, cfg: EngineConfig, url: str, name: str, fleet: ServerFleet | None = None):
+        servers = cfg.remote
+        self.cfg, self.url, self.name = cfg, url.rstrip("/"), name
+        self.fleet = fleet or ServerFleet()
+        self.fleet.engines.append(self)
+        self.api: ServerAPI = API_KINDS[servers.api](servers.served_model)
+        self.up = False  # answering and holding the fleet's current weights
+        self.revived = False  # answering again after a failure, weights not yet synced
+        self._down_since = 0.0
+        self._load = ServerLoad(healthy=False)
+        self._preemptions_seen = 0
+        self.max_model_len: int | None = None
+        self._control = httpx.Client(base_url=self.url, headers=_headers(servers))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-http", daemon=True)
+        self._thread.start()
+        self._http: httpx.AsyncClient | None = None
+        self._poller: asyncio.Task | None = None
+        try:
+            self._call(self._start())
+        except BaseException:
+            self._stop()
+            raise
+
+    # --- life cycle -------------------------------------------------------------------------------
+    async def _start(self) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=_headers(self.cfg.remote), limits=limits)
+        await self._wait_healthy(self.cfg.remote.start_timeout_s)
+        _, self.max_model_len = await self.api.describe(self._http)
+        self._load = await self.api.load(self._http)
+        self.up = True
+        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                if (await self._http.get("/health", timeout=5.0)).status_code == 200:  # type: ignore[union-attr]
+                    return
+                last = "unhealthy"
+            except httpx.HTTPError as e:
+                last = repr(e)
+            await asyncio.sleep(0.5)
+        raise ServerError(f"{self.name}: {self.url} was not healthy within {timeout_s:g} s ({last})")
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def close(self) -> None:
+        if self._thread.is_alive():
+            await self._on_loop(self._shutdown())
+            await asyncio.to_thread(self._stop)
+
+    def close_now(self) -> None:
+        """close() for callers outside any event loop (or inside one they may block)."""
+        if self._thread.is_alive():
+            self._call(self._shutdown())
+            self._stop()
+
+    async def _shutdown(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._http is not None:
+            await self._http.aclose()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._control.close()
+
+    # --- health and load --------------------------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.remote.poll_s)
+            await self.poll()
+
+    async def poll(self) -> None:
+        """One look at the server: load when healthy; a failed server that answers again is revived."""
+        try:
+            healthy = (await self._http.get("/health", timeout=5.0)).status_code == 200  # type: ignore[union-attr]
+            load = await self.api.load(self._http) if healthy else ServerLoad(healthy=False)  # type: ignore[arg-type]
+        except (httpx.HTTPError, ValueError) as e:
+            log.debug("%s: poll failed: %r", self.name, e)
+            load = ServerLoad(healthy=False)
+        if load.healthy:
+            self._load = load
+            if not self.up and time.monotonic() - self._down_since >= self.cfg.remote.down_cooldown_s:
+                self.fleet.answering(self)
+        elif self.up:
+            self.fleet.lost(self, "failed its health check")
+
+    def capacity(self) -> KVCapacity:
+        # The last poll's view: a remote call here would block the scheduler's event loop.
+        total, share = self._load.total_tokens, self._load.used_share
+        free = None if total is None or share is None else total - round(share * total)
+        if not self.up:
+            free = 0  # a down server offers no room
+        return KVCapacity(total, free, self._load.preemptions)
+
+    # --- generation -------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if not prompt_ids:
+            raise ValueError("generate() needs at least one prompt token")
+        max_tokens = params.max_tokens
+        if self.max_model_len is not None:
+            room = self.max_model_len - len(prompt_ids)
+            if room <= 0:
+                raise ValueError(
+                    f"prompt of {len(prompt_ids)} tokens does not fit the server's max_model_len="
+                    f"{self.max_model_len}: start the server with a longer context or shorten it"
+                )
+            max_tokens = min(max_tokens, room)
+        if self.up:
+            try:
+                return await self._on_loop(self._generate(prompt_ids, params, max_tokens))
+            except (httpx.TransportError, ServerError) as e:
+                if isinstance(e, ServerError) and "HTTP 4" in str(e):
+                    raise  # our request is wrong: another server would refuse it too
+                self.fleet.lost(self, repr(e))
+        return await self.fleet.reroute(self, prompt_ids, params)
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> Generation:
+        body = self.api.generate_body(prompt_ids, params, max_tokens)
+        resp = await self._http.post(  # type: ignore[union-attr]
+            self.api.generate_path, json=body, timeout=self.cfg.remote.request_timeout_s
+        )
+        _check(resp, f"{self.name}: generate")
+        generation = self.api.parse_generation(resp.json())
+        if len(generation.logprobs) != len(generation.token_ids):
+            raise ServerError(
+                f"{self.name}: {len(generation.token_ids)} tokens but {len(generation.logprobs)} log-probs"
+            )
+        return generation
+
+    # --- weights, cache, sleep --------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write the weights to engine.remote.weights_dir (once per sync for all servers), then reload."""
+        path = self.fleet.write_weights(self.cfg, weights)
+        self.load_weights_from_path(path)
+
+    def load_weights_from_path(self, path: str | Path) -> None:
+        """Reload in place from a checkpoint directory on storage the server sees, then drop its prefix cache."""
+        if not (self.up or self.revived):
+            log.warning("%s is down: it skips this weight sync and rejoins at a later one", self.name)
+            return
+        self.api.reload(self._control, str(path))
+        self.fleet.synced(self)
+
+    def reset_prefix_cache(self) -> None:
+        self.api.reset_prefix_cache(self._control)
+
+    def sleep(self) -> bool:
+        """Free the server's memory while a colocated trainer runs (engine.enable_sleep_mode, a server
+        started with --enable-sleep-mode); False where it was not asked for or the server cannot."""
+        if not (self.cfg.enable_sleep_mode and self.up):
+            return False
+        try:
+            self.api.sleep(self._control)
+        except (ServerError, httpx.HTTPError) as e:
+            log.warning("%s: the server could not sleep (%s); its memory stays in use", self.name, e)
+            return False
+        self._asleep = True
+        return True
+
+    def wake_up(self) -> None:
+        if getattr(self, "_asleep", False):
+            self.api.wake_up(self._control)
+            self._asleep = False
+
+
+# ---- the servers together: failover and one weights file per sync ----------------------------------
+
+
+class ServerFleet:
+    """All servers of one run: which are up, rerouting of failed turns, the weights written per sync."""
+
+    def __init__(self, counters: dict[str, int] | None = None):
+        self.engines: list[ServerEngine] = []
+        self.counters = counters if counters is not None else {}
+        for key in ("engine_failures", "engine_restarts", "rerouted_turns"):
+            self.counters.setdefault(key, 0)
+        self.syncs = 0  # weight syncs so far: a revived server with stale weights waits for the next
+        self._written: tuple[tuple[int, int], str] | None = None
+        self._lock = threading.Lock()
+
+    def lost(self, engine: ServerEngine, why: str) -> None:
+        if engine.up:
+            engine.up, engine.revived = False, False
+            engine._down_since = time.monotonic()
+            self.counters["engine_failures"] += 1
+            log.warning(
+                "%s (%s) is down: %s; its turns go to the other servers", engine.name, engine.url, why
+            )
+
+    def answering(self, engine: ServerEngine) -> None:
+        """A failed server answers again: at once if no weights were ever synced, else after the next sync."""
+        if self.syncs == 0:
+            engine.up = True
+            self.counters["engine_restarts"] += 1
+        else:
+            engine.revived = True
+
+    def synced(self, engine: ServerEngine) -> None:
+        if not engine.up:
+            engine.up, engine.revived = True, False
+            self.counters["engine_restarts"] += 1
+
+    async def reroute(
+        self, failed: ServerEngine, prompt_ids: list[int], params: SamplingParams
+    ) -> Generation:
+        live = [e for e in self.engines if e.up and e is not failed]
+        if not live:
+            raise NoLiveServerError(
+                f"every inference server is down ({', '.join(e.url for e in self.engines)})"
+            )
+        self.counters["rerouted_turns"] += 1
+        target = max(live, key=lambda e: e.capacity().free_tokens or 0)
+        return await target.generate(prompt_ids, params)
+
+    def write_weights(self, cfg: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """One directory per sync under weights_dir; the previous one is removed. The runtime hands every
+        engine the same list, so the servers after the first reuse the file instead of writing it again."""
+        if not isinstance(weights, list):
+            weights = list(weights)
+        if not weights:
+            raise ValueError("load_weights() got no tensors")
+        key = (id(weights), id(weights[0][1]))
+        with self._lock:
+            if self._written is not None and self._written[0] == key:
+                return self._written[1]
+            root = Path(cfg.remote.weights_dir or "")
+            if not cfg.remote.weights_dir:
+                raise ValueError(
+                    "engine.remote.weights_dir is empty: give a directory both tirl and the servers see "
+                    "(shared storage) for weight syncs"
+                )
+            self.syncs += 1
+            target = root / f"tirl-sync-{os.getpid()}-{self.syncs}"
+            save_checkpoint(weights, target, tied=_tied(cfg.model))
+            if self._written is not None:
+                shutil.rmtree(self._written[1], ignore_errors=True)
+            self._written = (key, str(target))
+            return str(target)
+
+
+def _tied(model_dir: str) -> bool:
+    """Whether the model ties its output head to the embedding (config.json next to the tokenizer)."""
+    import json
+
+    config = Path(model_dir) / "config.json"
+    if not model_dir or not config.is_file():
+        return False
+    return bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+
+
+def save_checkpoint(weights: list[tuple[str, torch.Tensor]], target: Path, tied: bool) -> None:
+    """One safetensors file a server reloads in place. A tied head is written out as lm_head.weight:
+    an in-place reload unties it, and the trainer names the tied tensor once (as the embedding)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in weights:
+        t = tensor.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:
+            t = t.clone()  # safetensors refuses shared storage
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    embed = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
+    if tied and embed and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors[embed].clone()
+    scratch = target.with_name(target.name + ".partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    save_file(tensors, str(scratch / "model.safetensors"))
+    scratch.rename(target)  # a server never sees a half-written file
+
+
+def build_server_engines(cfg: EngineConfig, counters: dict[str, int] | None = None) -> list[ServerEngine]:
+    """One engine per URL in engine.remote.urls, sharing one fleet (failover, one weights file per sync)."""
+    urls = cfg.remote.urls
+    if not urls:
+        raise ValueError("engine.backend=remote needs engine.remote.urls, e.g. ['http://10.0.0.5:8000']")
+    if not cfg.model:
+        raise ValueError(
+            "engine.model is empty: with engine.backend=remote it names a local copy of the served model's "
+            "tokenizer and config (the prompts are tokenized here)"
+        )
+    fleet = ServerFleet(counters)
+    engines: list[ServerEngine] = []
+    try:
+        for i, url in enumerate(urls):
+            engines.append(ServerEngine(cfg, url, f"remote{i}", fleet))
+    except BaseException:
+        for e in engines:
+            e.close_now()
+        raise
+    return engines
+
+
+def vllm_serve_command(
+    model: str,
+    port: int,
+    host: str = "127.0.0.1",
+    max_model_len: int = 4096,
+    kv_cache_bytes: int | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The `vllm serve` command line (and environment) tirl expects of a server it talks to; on CPU give
+    `kv_cache_bytes` (vLLM-CPU sizes its KV cache from it). docs/engines.md shows the same command."""
+    import sys
+
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    argv += ["--host", host, "--port", str(port), "--max-model-len", str(max_model_len)]
+    argv += ["--logprobs-mode", "processed_logprobs", "--enable-prefix-caching", "--seed", "0"]
+    argv += ["--disable-uvicorn-access-log", "--served-model-name", Path(model).name]
+    if kv_cache_bytes is not None:  # vLLM-CPU: exact KV budget, worker in the engine process, whole prefills
+        argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager", "--dtype", "float32"]
+        argv += ["--distributed-executor-backend", "uni", "--no-enable-chunked-prefill"]
+        argv += ["--max-num-batched-tokens", str(max(8192, max_model_len))]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    return argv, env

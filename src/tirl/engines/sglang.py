@@ -1,0 +1,154 @@
+"""engine.backend=sglang: SGLang engines that tirl starts and owns, one SGLang server process each.
+
+Each engine is `python -m sglang.launch_server` on a loopback port (its GPU pinned through
+CUDA_VISIBLE_DEVICES), driven through SGLang's native API by the same client as engine.backend=remote
+(tirl.engines.remote, api=sglang): token ids in (`input_ids`), token ids and log-probs out
+(`output_token_logprobs`), free KV from /get_load for the KV-aware scheduler, weights reloaded in
+place (/update_weights_from_disk, from a safetensors file tirl writes to /dev/shm), the radix
+(prefix) cache flushed after every reload (/flush_cache), sleep/wake through SGLang's memory saver
+(/release_memory_occupation, /resume_memory_occupation; start with engine.enable_sleep_mode).
+
+A server process rather than SGLang's in-process `sgl.Engine`: that one binds itself to the event loop
+that created it and runs its sync methods with `run_until_complete` on it, which cannot serve callers
+on other loops (pytest's, the trainer's) the way tirl's engines must; the server has no such tie, and
+it dies with this process (tirl.lifetime).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from tirl.engines.base import Generation, KVCapacity, SamplingParams
+from tirl.engines.config import EngineConfig, RemoteServers
+from tirl.engines.remote import ServerEngine
+
+INSTALL_HINT = (
+    "the sglang backend needs SGLang: `pip install 'tirl[sglang]'` (CUDA GPUs; it pins its own torch, so "
+    "use a separate environment from vLLM's), or serve SGLang elsewhere and use engine.backend=remote "
+    "with engine.remote.api=sglang"
+)
+
+
+def require_sglang() -> None:
+    """Fail early with an actionable message when SGLang is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise ImportError(INSTALL_HINT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sglang_server_command(cfg: EngineConfig, port: int) -> list[str]:
+    """The SGLang server command for one engine of `cfg` (dtype, context, memory, seed, caching, sleep)."""
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--context-length", str(cfg.max_model_len)]
+    argv += ["--random-seed", str(cfg.seed), "--log-level", "warning", "--skip-server-warmup"]
+    if cfg.dtype != "auto":
+        argv += ["--dtype", cfg.dtype]
+    if cfg.device == "cpu":
+        argv += ["--device", "cpu"]
+    else:
+        argv += ["--mem-fraction-static", str(cfg.gpu_memory_utilization)]
+    if cfg.tensor_parallel_size > 1:
+        argv += ["--tp-size", str(cfg.tensor_parallel_size)]
+    if not cfg.enable_prefix_caching:
+        argv += ["--disable-radix-cache"]
+    if cfg.enable_sleep_mode:
+        argv += ["--enable-memory-saver"]
+    return argv
+
+
+def _child_setup() -> None:
+    """In the server process: its own process group (Ctrl-C reaches tirl, which stops it in order), and
+    death with tirl even when tirl is SIGKILLed (it does not import tirl, so it is told here)."""
+    from tirl.lifetime import die_with_parent
+
+    die_with_parent()
+
+
+class SGLangEngine:
+    """Engine protocol (tirl.engines.base) on an SGLang server this engine started."""
+
+    def __init__(self, cfg: EngineConfig, name: str = "sglang0", gpu: str | None = None):
+        require_sglang()
+        if not cfg.model:
+            raise ValueError("engine.model is empty: set it to a model directory (e.g. `tirl model init`)")
+        self.cfg, self.name = cfg, name
+        self.port = _free_port()
+        self._weights = tempfile.mkdtemp(prefix=f"tirl-{name}-", dir=_transfer_root())
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        self._proc = subprocess.Popen(
+            sglang_server_command(cfg, self.port),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            process_group=0,
+            preexec_fn=_child_setup,  # the parent-death signal must be set in the child itself
+        )
+        servers = RemoteServers(
+            urls=[f"http://127.0.0.1:{self.port}"],
+            api="sglang",
+            weights_dir=self._weights,
+            start_timeout_s=1800,
+        )
+        try:
+            self._server = ServerEngine(cfg.model_copy(update={"remote": servers}), servers.urls[0], name)
+        except BaseException:
+            self._stop_server()
+            raise
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if self._proc.poll() is not None:
+            raise RuntimeError(f"{self.name}: the SGLang server exited with code {self._proc.returncode}")
+        return await self._server.generate(prompt_ids, params)
+
+    def capacity(self) -> KVCapacity:
+        return self._server.capacity()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """In place: written to shared memory, reloaded by the server, then its radix cache flushed."""
+        self._server.load_weights(weights)
+
+    def reset_prefix_cache(self) -> None:
+        self._server.reset_prefix_cache()
+
+    def sleep(self) -> bool:
+        return self._server.sleep()
+
+    def wake_up(self) -> None:
+        self._server.wake_up()
+
+    async def close(self) -> None:
+        await self._server.close()
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        shutil.rmtree(self._weights, ignore_errors=True)
+
+
+def _transfer_root() -> str:
+    shm = Path("/dev/shm")
+    return os.environ.get("TIRL_WEIGHTS_DIR") or (str(shm) if shm.is_dir() else tempfile.gettempdir())
