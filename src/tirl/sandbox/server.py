@@ -42,7 +42,9 @@ from tirl.sandbox.session import Session
 MAX_BODY_BYTES = 64 * MiB
 MAX_BATCH = 4096
 MAX_RESPONSE_BYTES = 32 * MiB  # a batch whose kept output could exceed this is refused
-MAX_INFLIGHT_BYTES = 4 * MAX_BODY_BYTES  # request bodies held at once (queued and running)
+# Request bodies held at once, queued and running: room for the largest body and more. A waiting
+# request holds its body about three times (raw, parsed JSON, validated model).
+MAX_INFLIGHT_BYTES = 2 * MAX_BODY_BYTES
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 60.0
 PUBLIC_PATHS = frozenset({"/health"})
