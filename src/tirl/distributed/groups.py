@@ -66,14 +66,15 @@ def shutdown_distributed(synchronize: bool) -> None:
     dist.destroy_process_group()
 
 
-def shard_model(model: torch.nn.Module, info: DistInfo, bf16: bool) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer, then the root (embeddings, norm, head)."""
+def shard_model(model: torch.nn.Module, info: DistInfo, bf16: bool, mesh=None) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer, then the root (embeddings, norm, head). `mesh`: a device mesh
+    made beforehand (the memory planner builds one outside its fake-tensor mode)."""
     if not info.enabled:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mesh = mesh or init_device_mesh(info.device.type, (info.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs: dict[str, Any] = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
     for layer in _decoder_layers(model):
@@ -142,3 +143,101 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+# ---- sharded checkpoints (torch.distributed.checkpoint) ----
+#
+# Each rank writes and reads only its own shards of the fp32 weights and the AdamW moments: nothing is
+# gathered on rank 0 (a full 14B optimizer state is 118 GB) and nothing passes through a pickle. The same
+# calls work in a single process, where DCP runs without a process group.
+
+
+def _training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write this rank's shards of the weights and optimizer state under `path` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_training_state(model, optimizer), checkpoint_id=str(path))
+
+
+def load_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read this rank's shards back into the model and optimizer (a collective); with the same world
+    size each rank reads exactly the files it wrote."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = _training_state(model, optimizer)  # the shapes and shardings to read into
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+# ---- the Hugging Face export ----
+
+EXPORT_FILE_BYTES = 4 * 2**30  # safetensors files of at most this size, as HF shards its own
+
+
+def _export_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a model directory holds: the parameters (a tied one once) and persistent buffers."""
+    found = list(model.named_parameters())
+    for module_name, module in model.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in skip:
+                found.append((f"{module_name}.{name}" if module_name else name, buf))
+    return found
+
+
+def _export_files(tensors: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()  # a DTensor reports its global shape
+        if files[-1] and size + nbytes > EXPORT_FILE_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append((name, t))
+        size += nbytes
+    return files
+
+
+def export_hf_model(model: torch.nn.Module, out_dir, info: DistInfo) -> None:
+    """Write the model as a Hugging Face directory (config + sharded safetensors + index), gathering one
+    tensor at a time (a collective: every rank calls it); rank 0 holds at most one file on the host."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    files = _export_files(_export_tensors(model))
+    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    weight_map, total = {}, 0
+    for fname, group in zip(names, files, strict=True):
+        tensors = {}
+        for name, t in group:
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            if info.is_main:
+                tensors[name] = full.detach().to("cpu", copy=True).contiguous()
+                weight_map[name] = fname
+                total += full.numel() * full.element_size()
+            del full
+        if info.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, out / fname, metadata={"format": "pt"})
+    if info.is_main:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        model.config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(out)

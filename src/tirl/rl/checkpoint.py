@@ -1,6 +1,10 @@
-"""Checkpoints: an HF save_pretrained directory + trainer state, written atomically.
+"""Checkpoints: sharded training state, an HF model export beside it, and the trainer state, atomically.
 
-Layout: <run_dir>/checkpoints/step_000050/{model/, trainer_state.pt}. A checkpoint is built in a
+Layout: <run_dir>/checkpoints/step_000050/{shards/, model/, trainer_state.pt}. shards/ is a
+torch.distributed.checkpoint directory (fp32 weights and AdamW moments, each rank writing and reading
+only its own shards: nothing is gathered and no rank reads another's optimizer state); model/ is a
+Hugging Face model (safetensors, fp32) streamed tensor by tensor from the shards, for engines, eval and
+the next stage; trainer_state.pt holds only counters, schedule, RNG and sampler positions. A checkpoint is built in a
 hidden temp directory and renamed into place, so a kill mid-save leaves the previous one intact.
 model/ also holds `tirl_agent.yaml`, the agent settings the run used (prompt, tool schema, template,
 budgets): `tirl eval` and `tirl chat` default to them, since a model only works with the protocol it
@@ -61,12 +65,30 @@ def save_checkpoint(
     run_dir: Path, step: int, model, model_state: dict, tokenizer, trainer_state: dict, keep_last: int
 ) -> Path:
     """Write step_<step> atomically (rank 0 only) and prune all but the newest keep_last."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(run_dir, step, f"{os.getpid()}")
     model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
+    return finish_checkpoint(run_dir, step, tmp, tokenizer, trainer_state, keep_last)
+
+
+def staging_dir(run_dir: Path, step: int, tag: str) -> Path:
+    """A fresh hidden directory a checkpoint is built in (rank 0 makes it; under FSDP every rank then
+    writes its shards there, so `tag` must be the same on all ranks)."""
+    tmp = staging_path(run_dir, step, tag)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def staging_path(run_dir: Path, step: int, tag: str) -> Path:
+    return Path(run_dir) / "checkpoints" / f".tmp_step_{step:06d}_{tag}"
+
+
+def finish_checkpoint(
+    run_dir: Path, step: int, tmp: Path, tokenizer, trainer_state: dict, keep_last: int
+) -> Path:
+    """Add the tokenizer, trainer state (with the RNGs) and agent settings to a staged checkpoint whose
+    model/ is written, move it into place atomically and prune all but the newest keep_last (rank 0)."""
+    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
     torch.save({**trainer_state, "rng": rng_states()}, tmp / "trainer_state.pt")
@@ -130,10 +152,12 @@ def _short(value: object, width: int = 60) -> str:
 
 
 def load_trainer_state(ckpt: Path) -> dict:
+    """The small trainer state (counters, schedule, RNG, sampler), plus `checkpoint`: the directory, whose
+    shards/ each rank reads its own part of the weights and optimizer from (tirl.rl.policy)."""
     path = Path(ckpt) / "trainer_state.pt"
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt} is not a tirl checkpoint (no trainer_state.pt)")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False) | {"checkpoint": str(ckpt)}
 
 
 def latest_model_dir(run_dir: Path) -> Path:

@@ -229,11 +229,10 @@ class _ChunkedHead(torch.autograd.Function):
                 dz.scatter_add_(-1, targets[start:end, None], g)
             if grad_entropy is not None:
                 dz -= p * (logp + entropy[start:end, None]) * grad_entropy[start:end, None]
-            dz = dz.to(weight.dtype)
+            if grad_weight is not None:  # accumulated in fp32 in place: no [V, H] temporaries per chunk
+                grad_weight.addmm_(dz.t(), hidden[start:end].float())
             if grad_hidden is not None:
-                grad_hidden[start:end] = dz @ weight
-            if grad_weight is not None:
-                grad_weight += (dz.t() @ hidden[start:end]).float()
+                grad_hidden[start:end] = dz.to(weight.dtype) @ weight
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None

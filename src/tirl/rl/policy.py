@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -18,12 +19,14 @@ from tirl.devices import resolve_dtype
 from tirl.distributed.groups import (
     DistInfo,
     all_reduce,
-    full_model_state,
-    full_optimizer_state,
+    barrier,
+    export_hf_model,
     load_full_optimizer_state,
+    load_sharded,
+    save_sharded,
     shard_model,
 )
-from tirl.rl.checkpoint import save_checkpoint, set_rng_states
+from tirl.rl.checkpoint import finish_checkpoint, set_rng_states, staging_dir, staging_path
 from tirl.rl.config import OptimConfig
 from tirl.rl.losses import PolicyInputs, chunked_logprobs, head_chunk_tokens
 
@@ -163,7 +166,7 @@ def install_token_head(model: torch.nn.Module) -> TokenHead:
 
 
 def token_logprobs(
-    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor
+    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of each next token ids[:, 1:] and the entropies there, [B, T-1] fp32 each, through the
     chunked head: full-vocabulary logits exist for one chunk of tokens at a time, never the batch."""
@@ -174,22 +177,72 @@ def token_logprobs(
     return logprobs[:, :-1], entropy[:, :-1]
 
 
+def _load_full_model(model_path: str) -> torch.nn.Module:
+    """The whole model in fp32 on the host (one process per run does this)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load the policy model from {model_path!r}: {e}") from e
+
+
+def _prepare(model: torch.nn.Module, optim: OptimConfig) -> torch.nn.Module:
+    if optim.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model.config.use_cache = False
+    install_token_head(model)
+    return model
+
+
+def _restore_computed_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inverse frequencies) are in no checkpoint: after a meta-device
+    build they are uninitialized, so each owning module is rebuilt small on the host from its config
+    and its buffers copied over."""
+    for module in model.modules():
+        names = getattr(module, "_non_persistent_buffers_set", set())
+        if not names:
+            continue
+        if not hasattr(module, "config"):
+            raise ValueError(f"cannot recompute the buffers {sorted(names)} of {type(module).__name__}")
+        with torch.device("cpu"):
+            fresh = type(module)(module.config)
+        for name in names:
+            module._buffers[name] = fresh._buffers[name].to(device)
+
+
+def build_sharded_model(model_path: str, optim: OptimConfig, info: DistInfo, bf16: bool) -> torch.nn.Module:
+    """The policy model under FSDP2 without ever holding it whole on an accelerator: built on the meta
+    device, sharded, given storage for this rank's shards only, then filled from the checkpoint, which
+    rank 0 alone reads from disk (once per run, on the host) and broadcasts shard by shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load the policy model from {model_path!r}: {e}") from e
+    with torch.device("meta"):
+        model = _prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32), optim)
+    shard_model(model, info, bf16)
+    model.to_empty(device=info.device)
+    _restore_computed_buffers(model, info.device)
+    full = _load_full_model(model_path).state_dict() if info.is_main else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    return model
+
+
 class Policy:
     def __init__(self, model_path: str, optim: OptimConfig, info: DistInfo, total_steps: int):
-        from transformers import AutoModelForCausalLM
-
         self.info, self.optim_cfg = info, optim
         self.device = info.device
         self.bf16 = resolve_dtype(optim.dtype, self.device) == torch.bfloat16
-        try:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        except OSError as e:
-            raise FileNotFoundError(f"cannot load the policy model from {model_path!r}: {e}") from e
-        if optim.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        model.config.use_cache = False
-        self.model = shard_model(model.to(self.device), info, self.bf16)
-        self.pad_id = model.config.pad_token_id or 0
+        if info.enabled:
+            self.model = build_sharded_model(model_path, optim, info, self.bf16)
+        else:  # one process: nothing to shard, the model is this process's to place
+            self.model = _prepare(_load_full_model(model_path), optim).to(self.device)
+        self.pad_id = self.model.config.pad_token_id or 0
         self.total_steps = total_steps
         self.reference: torch.nn.Module | None = None
         self.reset_optimizer()
@@ -283,15 +336,26 @@ class Policy:
 
     # ---- checkpoints ----
     def save(self, run_dir, step: int, tokenizer, trainer_state: dict, keep_last: int) -> None:
-        """Checkpoint the weights, optimizer and schedule with `trainer_state` (a collective)."""
-        model_state = full_model_state(self.model, self.info)
-        optim_state = full_optimizer_state(self.model, self.optimizer, self.info)
+        """Checkpoint (a collective): every rank writes its shards of the weights and optimizer, the
+        model is exported for Hugging Face a tensor at a time, rank 0 adds the small trainer state."""
         if self.info.is_main:
-            state = {**trainer_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}
-            save_checkpoint(run_dir, step, self.model, model_state, tokenizer, state, keep_last)
+            staging_dir(run_dir, step, "shards")  # one directory all ranks write into
+        barrier(self.info)
+        tmp = staging_path(run_dir, step, "shards")
+        save_sharded(tmp / "shards", self.model, self.optimizer)
+        export_hf_model(self.model, tmp / "model", self.info)
+        if self.info.is_main:
+            state = {**trainer_state, "scheduler": self.scheduler.state_dict()}
+            finish_checkpoint(run_dir, step, tmp, tokenizer, state, keep_last)
+        barrier(self.info)
 
     def restore(self, saved: dict) -> None:
-        """Optimizer, schedule and RNG states of a checkpoint (the weights come from its model/ dir)."""
-        load_full_optimizer_state(self.model, self.optimizer, saved["optimizer"], self.info)
+        """Weights, optimizer, schedule and RNG of a checkpoint: each rank reads only its own shards.
+        (The weights are read again from the shards, not the export: the resume is exact whatever the
+        export holds.)"""
+        if "optimizer" in saved:  # a checkpoint from before sharded checkpoints: the full state, pickled
+            load_full_optimizer_state(self.model, self.optimizer, saved["optimizer"], self.info)
+        else:
+            load_sharded(Path(saved["checkpoint"]) / "shards", self.model, self.optimizer)
         self.scheduler.load_state_dict(saved["scheduler"])
         set_rng_states(saved["rng"])
