@@ -167,3 +167,15 @@ def test_nothing_cites_notes_outside_the_repository():
         f"README.md:{i}" for i, line in enumerate(README.read_text().splitlines(), 1) if outside.search(line)
     ]
     assert not found, found
+
+
+def test_what_is_where_names_modules_that_exist():
+    """The README's map from the paper's ideas to code: every path in its table is under src/tirl/."""
+    text = README.read_text()
+    start = text.index("## What is where")
+    table = text[start : text.index("\n## ", start + 1)]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| paper")]
+    paths = {p for row in rows for p in re.findall(r"`([a-z_]+/(?:[a-z_]+\.py)?)`", row.split(" | ", 1)[1])}
+    assert len(paths) > 20, paths
+    missing = sorted(p for p in paths if not (ROOT / "src" / "tirl" / p).exists())
+    assert not missing, f"README's 'What is where' names paths that do not exist: {missing}"
