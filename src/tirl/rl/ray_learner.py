@@ -186,6 +186,10 @@ async def open_ray_learner(
         # colocated, the sync is staged through host memory over gloo (CUDA IPC would be the fast path).
         backend = "nccl" if cfg.cluster.trainer.num_gpus > 0 and not cfg.cluster.colocate else "gloo"
         learner = RayLearner(workers, int(cfg.cluster.weight_sync_bucket_mb * 2**20), backend)
+        if cfg.cluster.colocated and not cfg.algorithm.async_:
+            # The engines start next on the same GPUs and size their KV cache by the free memory;
+            # the trainer's state comes back at the first update (rl_step).
+            await asyncio.to_thread(learner.offload)
         try:
             yield learner
         finally:
