@@ -34,7 +34,19 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
-_DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+_DTYPES = {
+    str(t): t
+    for t in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 ALIGN = 64  # bytes
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")  # "model.layers.12.mlp.up_proj.weight" -> "model.layers.12"
 

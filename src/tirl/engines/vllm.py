@@ -65,7 +65,19 @@ def require_vllm() -> None:
 # vLLM's RPC encoder carries without pickling.
 FlatEntry = tuple[str, list[int], str, int]
 ALIGN = 64  # bytes: a dtype view of the buffer must start at a multiple of its element size
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16)}
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def flat_plan(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[list[FlatEntry], int]:
