@@ -48,16 +48,26 @@ bench: install
 	$(PY) benchmarks/rollout_overlap.py
 	$(PY) benchmarks/scheduler_sim.py
 
-# Mutation testing of the spine (config: [tool.mutmut] in pyproject.toml). Not in CI: CPU-heavy, so
-# one module at a time and niced. MUTATE="tirl.rl.roc" narrows it; `mutmut show NAME` shows a survivor.
-MUTATE ?= tirl.rl.roc tirl.rl.grpo tirl.rl.trainer.x_build_samples tirl.rl.update.x_engine_gap \
+# Mutation testing (config: [tool.mutmut] in pyproject.toml; scores and survivors: docs/mutation.md).
+# Not in CI: CPU-heavy, so one module at a time, at nice 19. MUTATE="tirl.rl.losses" narrows it (a
+# module, or module.x_function for one function); `mutmut show NAME` shows a survivor.
+MUTATE_SPINE := tirl.rl.roc tirl.rl.grpo tirl.rl.trainer.x_build_samples tirl.rl.update.x_engine_gap \
 	tirl.reward.extract tirl.engines.scheduler tirl.agent.loop
+# What decides what is trained, measured or resumed; cheapest tests first. weight_sync: its plan and
+# buckets (the transport is tested across processes); pool: its session admission.
+MUTATE_NEW := tirl.rl.advantages tirl.rl.losses tirl.rl.importance tirl.data.filters \
+	tirl.data.decontaminate tirl.eval.metrics tirl.agent.protocol tirl.view.records tirl.rl.checkpoint \
+	tirl.engines.versions tirl.distributed.weight_sync.x_layer_group tirl.distributed.weight_sync.x__groups \
+	tirl.distributed.weight_sync.x_plan_ tirl.distributed.weight_sync.xǁEntryǁ \
+	tirl.rl.async_rollout tirl.sandbox.session tirl.sandbox.pool.xǁSandboxǁ_admit_session \
+	tirl.sandbox.pool.xǁSandboxǁ_release
+MUTATE ?= $(MUTATE_SPINE) $(MUTATE_NEW)
 mutate: install
 	$(PY) -m pip install -q "mutmut==3.8.1"
 	@# TIRL_TEST_CACHE: each mutant's fresh pytest session reuses the tiny model and the taught one;
 	@# TIRL_TEST_HANG_S: a mutant that hangs the agent loop fails its hang guard in a minute
-	for m in $(MUTATE); do TIRL_TEST_CACHE=$(CURDIR)/mutants/.test-cache TIRL_TEST_HANG_S=60 nice -n 10 \
-		$(VENV)/bin/mutmut run "$$m*" > /dev/null || exit 1; done
+	for m in $(MUTATE); do TIRL_TEST_CACHE=$(CURDIR)/mutants/.test-cache TIRL_TEST_HANG_S=60 nice -n 19 \
+		$(VENV)/bin/mutmut run --max-children 2 "$$m*" > /dev/null || exit 1; done
 	@# killed share per module, over the mutants that ran (a timeout counts as killed)
 	$(VENV)/bin/mutmut results --all true | grep -v "not checked" | awk -F': ' \
 		'{ m = $$1; sub(/^ +/, "", m); sub(/\.x[_\xc7].*/, "", m); n[m]++; if ($$2 ~ /killed|timeout/) k[m]++ } \
