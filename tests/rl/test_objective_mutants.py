@@ -347,3 +347,43 @@ def test_policy_loss_and_aggregation_resolvers_reject_non_functions(monkeypatch)
         resolve_policy_loss("x")
     with pytest.raises(PluginError, match="unknown loss normalization 'x'"):
         resolve_aggregation("x")
+
+
+# ---- differences of log-probs (never sums), with log-probs away from 0 ----
+
+
+def test_ratios_and_kl_are_differences_of_log_probs():
+    old = t([[-1.0, -2.0, -0.5]])
+    lp = old + t([[math.log(1.1), math.log(0.9), 0.0]])
+    mask = t([[1, 1, 1]])
+    s = math.exp((math.log(1.1) + math.log(0.9)) / 3)
+    ratio = gspo_loss(PolicyInputs(lp, old, t([1.0]), mask), ClipConfig(10.0, 10.0)).ratio
+    assert ratio.flatten().tolist() == pytest.approx([s] * 3, rel=1e-12)
+    _, diag = Objective()(PolicyInputs(lp, old, t([1.0]), mask), BatchCounts(3.0, 1.0))
+    assert diag.sums["approx_kl"] == pytest.approx(sum((r - 1) - math.log(r) for r in (1.1, 0.9, 1.0)))
+    ref = lp + t([[math.log(0.5), 0.0, math.log(2.0)]])
+    assert kl_k3(lp, ref)[0].tolist() == pytest.approx([0.5 - math.log(0.5) - 1, 0.0, 2 - math.log(2) - 1])
+
+
+def test_approx_kl_log_ratio_is_bounded_at_20_both_ways():
+    old = t([[-1.0, -1.0]])
+    lp = old + t([[30.0, -30.0]])
+    _, diag = Objective(clip=ClipConfig(100.0, 1e12))(
+        PolicyInputs(lp, old, t([1.0]), t([[1, 1]])), BatchCounts(2, 1)
+    )
+    assert diag.sums["approx_kl"] == pytest.approx((math.expm1(20) - 20) + (math.expm1(-20) + 20), rel=1e-12)
+
+
+def test_flags_are_booleans_with_or_without_the_dual_clip():
+    ratio, adv = t([[0.5, 2.0]]), t([[-1.0, 1.0]])
+    for clip in (ClipConfig(), ClipConfig(dual_clip=3.0)):
+        tl = clipped_surrogate(ratio, adv, clip)
+        assert tl.clipped_low.dtype == tl.clipped_high.dtype == tl.dual_clipped.dtype == torch.bool
+
+
+def test_the_tis_weight_keeps_the_losses_dtype():
+    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float32)
+    engine = torch.tensor([[-1.5, -2.0]], dtype=F64)  # the engine's log-probs in another precision
+    inputs = PolicyInputs(lp, lp.clone(), torch.tensor([1.0]), torch.tensor([[1, 1]]), engine)
+    loss, _ = Objective(tis_cap=2.0)(inputs, BatchCounts(2.0, 1.0))
+    assert loss.dtype == torch.float32
