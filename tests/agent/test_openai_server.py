@@ -235,7 +235,7 @@ async def test_qwen3_thinking_is_kept_within_a_query_and_a_new_query_is_refused(
 
 def test_openai_client_over_http(engine, tokenizer):
     """A plain `openai` client, base URL per trajectory; the trajectory comes back from finish."""
-    import openai
+    openai = pytest.importorskip("openai")
 
     endpoint = OpenAIEndpoint(ChatRecorder(SingleEnginePool(engine), tokenizer, max_response_tokens=64))
     try:
@@ -262,3 +262,37 @@ def test_openai_client_over_http(engine, tokenizer):
             endpoint.finish("traj-7")
     finally:
         endpoint.close()
+
+
+def tirl_system_prompt(cfg) -> str:
+    """tirl's built-in ChatML system turn (agent.use_chat_template=false) as one system message."""
+    from tirl.agent.protocol import tool_schemas
+
+    lines = "\n".join(json.dumps(s, ensure_ascii=False) for s in tool_schemas(cfg))
+    return f"{cfg.system_prompt}\n\n# Tools\n<tools>\n{lines}\n</tools>"
+
+
+async def test_an_openai_agent_records_what_tirls_own_loop_records(tokenizer):
+    """The demo's protocol (built-in ChatML, "<reason>" prefill, turns cut at </tool_call>): the endpoint's
+    trajectory has the token ids and loss mask tirl's agent loop builds for the same turns."""
+    from tirl.agent import AgentConfig, build_prompt_ids, render_tool_response
+
+    cfg = AgentConfig(system_prompt="Use the python tool.", user_prompt="{problem}", use_chat_template=False)
+    call = ' <tool_call>\n{"name": "execute_python_code_with_standard_io", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
+    turns, output = [call, "</reason><answer>\\boxed{42}</answer><|im_end|>"], "42\n[ok]"
+    rec = ChatRecorder(SingleEnginePool(Scripted(tokenizer, turns)), tokenizer, prefill=cfg.prefill)
+    messages = [{"role": "system", "content": tirl_system_prompt(cfg)}, {"role": "user", "content": "6*7?"}]
+    first = await rec.complete("t", {"messages": messages, "stop": ["</tool_call>"]})
+    messages += [first["choices"][0]["message"], {"role": "tool", "content": output}]
+    await rec.complete("t", {"messages": messages, "stop": ["</tool_call>"]})
+    traj = await rec.finish("t")
+
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    segment = render_tool_response(tokenizer, [output], cfg)
+    assert traj.prompt_ids == build_prompt_ids(tokenizer, "6*7?", cfg)
+    assert traj.response_ids == enc(call) + segment + enc(turns[1])
+    assert traj.loss_mask == [1] * len(enc(call)) + [0] * len(segment) + [1] * len(enc(turns[1]))
+    assert traj.finish_reason == "answered" and traj.answer_blocks == 1
+    assert [c.status for c in traj.tool_calls] == ["ok"]

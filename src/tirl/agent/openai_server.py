@@ -138,6 +138,7 @@ class ChatRecorder:
         max_response_tokens: int = 8192,
         on_drift: DriftPolicy = "keep",
         chat_template_kwargs: dict | None = None,
+        prefill: str = "",
     ):
         self.pool = pool
         self.tokenizer = tokenizer
@@ -145,6 +146,9 @@ class ChatRecorder:
         self.on_drift = on_drift
         self.policy = template_policy(tokenizer)
         self.template_kwargs = dict(chat_template_kwargs or {})
+        # Written after every assistant header before the model generates (tirl's agent.prefill, e.g.
+        # "<reason>"): loss mask 0, and part of the assistant message's content the agent gets back.
+        self.prefill = prefill
         self._recordings: dict[str, Recording] = {}
         eot = tokenizer.convert_tokens_to_ids(self.policy.end_of_turn)
         self.eot_id = eot
@@ -220,13 +224,18 @@ class ChatRecorder:
                 f"{self.policy.thinking}",
             )
         segment = self.encode(rec.closing + after[len(before) :])
-        rec.ids += segment
-        rec.loss_mask += [0] * len(segment)
-        rec.logprobs += [0.0] * len(segment)
-        rec.versions += [rec.versions[-1] if rec.versions else 0] * len(segment)
+        self._append(rec, segment)
         rec.messages += new
         rec.closing = ""
         return len(segment)
+
+    @staticmethod
+    def _append(rec: Recording, tokens: list[int]) -> None:
+        """Tokens the model did not generate: loss mask 0; version: the last turn's (as tirl's loop)."""
+        rec.ids += tokens
+        rec.loss_mask += [0] * len(tokens)
+        rec.logprobs += [0.0] * len(tokens)
+        rec.versions += [rec.versions[-1] if rec.versions else 0] * len(tokens)
 
     async def _generate(self, rec: Recording, request: dict, added: int) -> dict:
         left = self.max_response_tokens - len(rec.loss_mask)
@@ -244,6 +253,11 @@ class ChatRecorder:
             stop_strings=[stop] if isinstance(stop, str) else list(stop),
             seed=request.get("seed"),
         )
+        if self.prefill and rec.loss_mask:
+            self._append(rec, self.encode(self.prefill))
+        elif self.prefill:  # the first turn: part of the prompt, as in tirl's loop
+            rec.prompt_ids += self.encode(self.prefill)
+            rec.ids = list(rec.prompt_ids)
         start = time.perf_counter()
         gen = await rec.engine_handle.generate(list(rec.ids), params)
         rec.gen_seconds += time.perf_counter() - start
@@ -254,12 +268,11 @@ class ChatRecorder:
         rec.turns += 1
         rec.last_finish = gen.finish_reason
         ended = bool(gen.token_ids) and gen.token_ids[-1] in self.stop_ids
-        text = self.tokenizer.decode(
-            gen.token_ids[:-1] if ended else gen.token_ids, skip_special_tokens=False
-        )
+        body = gen.token_ids[:-1] if ended else gen.token_ids
+        text = self.prefill + self.tokenizer.decode(body, skip_special_tokens=False)
         rec.generated_text.append(text)
         message = self._assistant_message(text, rec.tools)
-        generated = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        generated = self.prefill + self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         self._close_turn(rec, message, generated, ended and gen.token_ids[-1] == self.eot_id)
         return self._response(rec, message, gen.finish_reason, len(gen.token_ids), added, request)
 

@@ -1,0 +1,143 @@
+"""GRPO-RoC on tirl's demo task, the rollouts played by a plain OpenAI-client agent (agent.py).
+
+    python examples/openai_agent/train.py --model runs/demo/sft --steps 20
+
+The agent talks to tirl's OpenAI-compatible endpoint, which records each episode's exact tokens, loss
+mask and log-probs; the episodes are then scored, down-sampled by RoC and trained on exactly as
+`tirl train` does (tirl.rl.trainer's roc_select and build_samples, the same learner), and the new
+weights go into the engine before the next step. Start from a model that knows the tool protocol
+(the SFT model of `tirl demo`: runs/demo/sft); a random model never earns a reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+from openai import AsyncOpenAI
+
+from agent import solve  # this directory is on sys.path when the script runs
+from tirl.agent.openai_server import ChatRecorder, OpenAIEndpoint
+from tirl.demo.synthetic import generate
+from tirl.distributed.groups import init_distributed
+from tirl.engines import EngineConfig, SingleEnginePool, load_tokenizer
+from tirl.engines.hf import HFEngine
+from tirl.reward import RewardConfig, RewardPool
+from tirl.rl.checkpoint import resolve_model_path
+from tirl.rl.config import AlgorithmConfig, OptimConfig
+from tirl.rl.local_learner import LocalLearner
+from tirl.rl.policy import Policy
+from tirl.rl.trainer import build_samples, roc_select
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model", required=True, help="model directory or tirl run directory (e.g. runs/demo/sft)"
+    )
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompts", type=int, default=8, help="problems per step")
+    p.add_argument("--group", type=int, default=8, help="G: rollouts trained on per problem (2G are played)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=192, help="per turn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics", default="", help="JSONL file for one line of metrics per step")
+    return p.parse_args(argv)
+
+
+async def play_group(endpoint: OpenAIEndpoint, problem, step: int, n: int, args) -> list:
+    """n episodes of one problem by the agent, each recorded as a tirl Trajectory."""
+
+    async def one(j: int):
+        tid = f"s{step}-{problem.id}-{j}"
+        async with AsyncOpenAI(base_url=endpoint.base_url(tid), api_key="unused", max_retries=0) as client:
+            await solve(
+                client,
+                problem.problem,
+                seed=step * 1000 + j,
+                max_turns=args.max_turns,
+                max_tokens=args.max_tokens,
+            )
+        return await asyncio.to_thread(endpoint.finish, tid, problem.id, j)
+
+    return list(await asyncio.gather(*(one(j) for j in range(n))))
+
+
+async def train(args: argparse.Namespace) -> list[dict]:
+    model_path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(model_path)
+    alg = AlgorithmConfig(prompts_per_step=args.prompts, group_size=args.group, oversample=2, roc="sample")
+    policy = Policy(
+        model_path,
+        OptimConfig(lr=args.lr, warmup_steps=3, weight_decay=0.0, device="cpu"),
+        init_distributed("cpu"),
+        args.steps,
+    )
+    learner = LocalLearner(policy)
+    engine = HFEngine(EngineConfig(model=model_path, device="cpu", max_model_len=1024, max_batch_size=128))
+    budget = args.max_turns * (args.max_tokens + 128)
+    recorder = ChatRecorder(
+        SingleEnginePool(engine), tokenizer, max_response_tokens=budget, prefill="<reason>"
+    )
+    endpoint = OpenAIEndpoint(recorder)
+    problems = generate(args.steps * args.prompts, "train", seed=args.seed)
+    rng = random.Random(args.seed)
+    history = []
+    try:
+        async with RewardPool(RewardConfig(workers=1)) as scorer:
+            for step in range(args.steps):
+                history.append(
+                    await one_step(step, problems, rng, endpoint, scorer, learner, engine, alg, args)
+                )
+                print(json.dumps(history[-1]), flush=True)
+                if args.metrics:
+                    with open(args.metrics, "a") as f:
+                        f.write(json.dumps(history[-1]) + "\n")
+    finally:
+        endpoint.close()
+        await engine.close()
+    return history
+
+
+async def one_step(step, problems, rng, endpoint, scorer, learner, engine, alg, args) -> dict:
+    start = time.perf_counter()
+    batch = problems[step * args.prompts : (step + 1) * args.prompts]
+    groups = await asyncio.gather(
+        *(play_group(endpoint, p, step, alg.oversample * alg.group_size, args) for p in batch)
+    )
+    for problem, group in zip(batch, groups, strict=True):
+        rewards = await scorer.score_many([(t.response_text, problem.answer) for t in group])
+        for t, r in zip(group, rewards, strict=True):
+            t.reward = float(r) if t.scored else 0.0
+    kept = [roc_select(g, alg, rng.randrange(2**31)) for g in groups]
+    samples = build_samples(groups, kept, alg.advantage)
+    update = learner.update(samples, alg) if samples else {}
+    learner.sync_weights(EngineAsRuntime(engine))  # the engine generates the next step with the new weights
+    everyone = [t for g in groups for t in g]
+    return {
+        "step": step,
+        "reward": sum(t.reward for t in everyone) / len(everyone),
+        "tool_calls": sum(t.num_tool_calls for t in everyone) / len(everyone),
+        "response_tokens": sum(t.response_length for t in everyone) / len(everyone),
+        "samples": len(samples),
+        "loss": update.get("train/loss"),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+class EngineAsRuntime:
+    """The one method LocalLearner.sync_weights calls on a runtime, for one engine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def load_weights(self, weights) -> None:
+        self.engine.load_weights(list(weights))
+
+
+if __name__ == "__main__":
+    asyncio.run(train(parse_args()))
