@@ -85,8 +85,10 @@ def _async_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _print(results: list[dict]) -> None:
-    print(f"{'run':<24} {'seed':>4} {'RL wall s':>10} {'step s':>7} {'trainer idle':>13} {'engine idle':>12} "
-          f"{'dropped':>8} {'reward (last 5)':>16} {'gap max':>8} {'length max':>11} {'held-out':>9}")  # fmt: skip
+    print(
+        f"{'run':<24} {'seed':>4} {'RL wall s':>10} {'step s':>7} {'trainer idle':>13} {'engine idle':>12} "
+        f"{'dropped':>8} {'reward (last 5)':>16} {'gap max':>8} {'length max':>11} {'held-out':>9}"
+    )
     for r in results:
         gap = "n/a" if r["engine_gap_max"] is None else f"{r['engine_gap_max']:.3f}"
         print(

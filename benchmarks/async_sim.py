@@ -84,9 +84,14 @@ class _Driver:
     """GroupProducer's admission and staleness rules, and a trainer, on a RolloutSim."""
 
     def __init__(
-        self, scenario: Scenario, workload: Workload, engine: EngineModel, trainer: TrainerModel,
-        steps: int, seed: int,
-    ):  # fmt: skip
+        self,
+        scenario: Scenario,
+        workload: Workload,
+        engine: EngineModel,
+        trainer: TrainerModel,
+        steps: int,
+        seed: int,
+    ):
         self.s, self.w, self.trainer, self.steps = scenario, workload, trainer, steps
         self.P, self.k = workload.prompts, scenario.staleness
         self.sim = RolloutSim(scenario.engine_gpus, engine, "dynamic", workload.max_len)
@@ -234,9 +239,15 @@ def scenarios(gpus: int, trainer_gpus: int, ks: list[int]) -> list[Scenario]:
 
 
 def simulate_training(
-    scenario: Scenario, workload: Workload, engine: EngineModel, trainer: TrainerModel,
-    steps: int, warmup: int, gpus: int, seed: int = 0,
-) -> Outcome:  # fmt: skip
+    scenario: Scenario,
+    workload: Workload,
+    engine: EngineModel,
+    trainer: TrainerModel,
+    steps: int,
+    warmup: int,
+    gpus: int,
+    seed: int = 0,
+) -> Outcome:
     """Train `steps` steps; the measured window skips the first `warmup` (the pipeline filling)."""
     if not 0 <= warmup < steps:
         raise ValueError(f"warmup={warmup} must leave steps to measure (steps={steps})")

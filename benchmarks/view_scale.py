@@ -49,10 +49,18 @@ def records(n: int) -> list[dict]:
         text += f"So <answer>\\boxed{{{i % 97}}}</answer><|im_end|>"
         length = 600 + 37 * (i % 200)
         traj = Trajectory(
-            problem_id=f"p{i // 16}", prompt_ids=[], response_ids=[1] * length, loss_mask=[1] * length,
-            response_text=text, turns=len(calls) + 1, tool_calls=calls, answer_blocks=1,
-            finish_reason="length" if i % 9 == 0 else "answered", reward=float(i % 3 == 0), sample_index=i % 16,
-        )  # fmt: skip
+            problem_id=f"p{i // 16}",
+            prompt_ids=[],
+            response_ids=[1] * length,
+            loss_mask=[1] * length,
+            response_text=text,
+            turns=len(calls) + 1,
+            tool_calls=calls,
+            answer_blocks=1,
+            finish_reason="length" if i % 9 == 0 else "answered",
+            reward=float(i % 3 == 0),
+            sample_index=i % 16,
+        )
         rows.append(
             {"benchmark": f"b{i % 4}", "problem": f"Problem {i}: find n.", "reference": "1", **compact(traj)}
         )

@@ -49,9 +49,15 @@ def _model(layers: int, hidden: int, intermediate: int, materialise: bool = True
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     cfg = Qwen3Config(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128, intermediate_size=intermediate, vocab_size=151936, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=intermediate,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if not materialise:
@@ -196,16 +202,20 @@ def main() -> None:
 
 def _report(rows: list[tuple[str, float]], n: int, repeats: int) -> None:
     gb = 2 * n / 1e9  # the engine's bf16 bytes: "GB of model" below
-    print(f"weight sync on CPU, {n / 1e9:.2f} B parameters ({gb:.2f} GB in bf16), median of {repeats}, "
-          f"buckets {BUCKET >> 20} MiB")  # fmt: skip
+    print(
+        f"weight sync on CPU, {n / 1e9:.2f} B parameters ({gb:.2f} GB in bf16), median of {repeats}, "
+        f"buckets {BUCKET >> 20} MiB"
+    )
     print("| path | bytes moved (GB) | whole-model copies | s / sync | s / GB of model | vs previous |")
     print("| --- | ---: | --- | ---: | ---: | ---: |")
     base = dict(rows)
     for path, s in rows:
         label, per_param, copies = PATHS[path]
         previous = base["group-previous" if path.startswith("group") else "local-previous"]
-        print(f"| {label} | {per_param * n / 1e9:.2f} | {copies} | {s:.2f} | {s / gb:.2f} | "
-              f"{previous / s:.2f}x |")  # fmt: skip
+        print(
+            f"| {label} | {per_param * n / 1e9:.2f} | {copies} | {s:.2f} | {s / gb:.2f} | "
+            f"{previous / s:.2f}x |"
+        )
     print(
         f"\nQwen3-14B ({QWEN3_14B_PARAMS / 1e9:.2f} B parameters): bytes on the wire per sync and link time"
     )

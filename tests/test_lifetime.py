@@ -107,9 +107,13 @@ def test_kill_9_of_a_command_takes_its_children_along(tiny_model_dir, engine):
     forked process); SIGKILL of chat alone leaves neither behind."""
     argv = [sys.executable, "-m", "tirl.cli", "chat", "--model", str(tiny_model_dir), "--engine", engine]
     proc = subprocess.Popen(
-        [*argv, "--max-tokens", "16"], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [*argv, "--max-tokens", "16"],
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         Output(proc).wait_for("problem>")
         children = descendants(proc.pid)
@@ -153,15 +157,21 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path, 
     config.write_text(
         yaml.safe_dump(
             {
-                "model": str(tiny_model_dir), "output_dir": str(tmp_path / "runs"), "run_name": "r",
+                "model": str(tiny_model_dir),
+                "output_dir": str(tmp_path / "runs"),
+                "run_name": "r",
                 "engine": {"backend": engine, "device": "cpu", "max_model_len": 1024, "kv_cache_gb": 0.1},
-                "agent": {"max_turns": 1, "max_response_tokens": 8}, "sandbox": {"mode": "inprocess", "slots": 1},
-                "reward": {"workers": 1}, "algorithm": {"prompts_per_step": 1, "group_size": 2},
-                "optim": {"device": "cpu"}, "stages": [{"steps": 1000, "data": str(data)}],
-                "checkpoint": {"every": 1}, "logging": {"tensorboard": False},
+                "agent": {"max_turns": 1, "max_response_tokens": 8},
+                "sandbox": {"mode": "inprocess", "slots": 1},
+                "reward": {"workers": 1},
+                "algorithm": {"prompts_per_step": 1, "group_size": 2},
+                "optim": {"device": "cpu"},
+                "stages": [{"steps": 1000, "data": str(data)}],
+                "checkpoint": {"every": 1},
+                "logging": {"tensorboard": False},
             }
         )
-    )  # fmt: skip
+    )
     argv = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "seed=3"]
     proc = subprocess.Popen(
         foreground(argv), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -189,8 +199,26 @@ def test_ctrl_c_in_eval_keeps_the_finished_trajectories(tiny_model_dir, tmp_path
         )
     )
     out = tmp_path / "eval"
-    argv = [sys.executable, "-m", "tirl.cli", "eval", "--model", str(tiny_model_dir), "--data", str(data),
-            "--samples", "16", "--max-tokens", "48", "--max-turns", "2", "--out", str(out), "--reward-workers", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "tirl.cli",
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data),
+        "--samples",
+        "16",
+        "--max-tokens",
+        "48",
+        "--max-turns",
+        "2",
+        "--out",
+        str(out),
+        "--reward-workers",
+        "1",
+    ]
     proc = subprocess.Popen(
         foreground(argv), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )

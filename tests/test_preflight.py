@@ -24,12 +24,14 @@ def config(tiny_model_dir, tmp_path) -> Path:
     path.write_text(
         yaml.safe_dump(
             {
-                "model": str(tiny_model_dir), "output_dir": str(tmp_path / "runs"),
+                "model": str(tiny_model_dir),
+                "output_dir": str(tmp_path / "runs"),
                 "engine": {"backend": "vllm", "device": "cpu", "max_model_len": 1024},
-                "agent": {"max_response_tokens": 64}, "stages": [{"steps": 1, "data": str(data)}],
+                "agent": {"max_response_tokens": 64},
+                "stages": [{"steps": 1, "data": str(data)}],
             }
         )
-    )  # fmt: skip
+    )
     return path
 
 

@@ -494,9 +494,14 @@ async def test_a_tool_that_fails_to_close_loses_nothing(random_engine, tokenizer
     )
     with caplog.at_level(logging.ERROR, logger="tirl.agent.loop"):
         traj = await run_trajectory(
-            SingleEnginePool(random_engine), tokenizer, sandbox, Problem("p", "1+1?", "2"), cfg,
-            group="p", sample_index=4,
-        )  # fmt: skip
+            SingleEnginePool(random_engine),
+            tokenizer,
+            sandbox,
+            Problem("p", "1+1?", "2"),
+            cfg,
+            group="p",
+            sample_index=4,
+        )
     assert (traj.finish_reason, traj.error, len(traj.response_ids)) == ("length", "", 8)
     [record] = [r for r in caplog.records if r.name == "tirl.agent.loop"]
     assert record.getMessage() == "closing the tools of trajectory p/4 failed"

@@ -70,13 +70,31 @@ TYPED = {
 
 @pytest.mark.parametrize(
     ("key", "value", "ok"),
-    [("i", 3, True), ("i", True, False), ("i", 3.5, False), ("i", "3", False),
-     ("n", 3, True), ("n", 2.5, True), ("n", False, False), ("n", "1", False),
-     ("b", True, True), ("b", 1, False), ("b", None, False),
-     ("o", {}, True), ("o", [], False), ("a", [1], True), ("a", {}, False),
-     ("z", None, True), ("z", 0, False), ("s", "x", True), ("s", 1, False), ("s", True, False),
-     ("any", [True], True), ("odd", True, True)],
-)  # fmt: skip
+    [
+        ("i", 3, True),
+        ("i", True, False),
+        ("i", 3.5, False),
+        ("i", "3", False),
+        ("n", 3, True),
+        ("n", 2.5, True),
+        ("n", False, False),
+        ("n", "1", False),
+        ("b", True, True),
+        ("b", 1, False),
+        ("b", None, False),
+        ("o", {}, True),
+        ("o", [], False),
+        ("a", [1], True),
+        ("a", {}, False),
+        ("z", None, True),
+        ("z", 0, False),
+        ("s", "x", True),
+        ("s", 1, False),
+        ("s", True, False),
+        ("any", [True], True),
+        ("odd", True, True),
+    ],
+)
 def test_argument_types_follow_json_schema(key, value, ok):
     args = {"s": "x", key: value}
     [r] = parse_tool_calls(wrap({"name": "typed", "arguments": args}), tools=TYPED)
@@ -89,9 +107,17 @@ def test_argument_types_follow_json_schema(key, value, ok):
 
 @pytest.mark.parametrize(
     ("value", "name"),
-    [(None, "null"), (True, "boolean"), (False, "boolean"), (3, "number"), (2.5, "number"),
-     ("x", "string"), ([1], "array"), ({"a": 1}, "object")],
-)  # fmt: skip
+    [
+        (None, "null"),
+        (True, "boolean"),
+        (False, "boolean"),
+        (3, "number"),
+        (2.5, "number"),
+        ("x", "string"),
+        ([1], "array"),
+        ({"a": 1}, "object"),
+    ],
+)
 def test_wrong_types_are_named_in_json_terms(value, name):
     err = only_error(wrap({"name": NAME, "arguments": value}))
     if name == "object":
@@ -110,23 +136,35 @@ def test_a_boolean_argument_for_an_integer_is_reported_as_a_boolean():
 
 def test_every_error_message_in_full():
     cases = [
-        ("<tool_call> \n </tool_call>",
-         'empty tool call: put a JSON object {"name": ..., "arguments": {...}} inside <tool_call>'),
-        ("<tool_call>{\"name\": 1</tool_call>",
-         "invalid JSON in tool call: Expecting ',' delimiter at line 1 column 11"),
+        (
+            "<tool_call> \n </tool_call>",
+            'empty tool call: put a JSON object {"name": ..., "arguments": {...}} inside <tool_call>',
+        ),
+        (
+            '<tool_call>{"name": 1</tool_call>',
+            "invalid JSON in tool call: Expecting ',' delimiter at line 1 column 11",
+        ),
         ("<tool_call>\n{}\n{}</tool_call>", "unexpected text after the JSON object in tool call: '{}'"),
-        (wrap({"name": NAME, "arguments": {}, "b": 1, "a": 2}),
-         "unexpected key(s) 'a', 'b' in tool call: only \"name\" and \"arguments\""),
+        (
+            wrap({"name": NAME, "arguments": {}, "b": 1, "a": 2}),
+            "unexpected key(s) 'a', 'b' in tool call: only \"name\" and \"arguments\"",
+        ),
         (wrap({"arguments": {}}), 'tool call has no "name"'),
         (wrap({"name": "sh", "arguments": {}}), f"unknown tool 'sh': the only tool is {NAME!r}"),
         (wrap({"name": NAME}), 'tool call has no "arguments" object'),
-        (wrap({"name": NAME, "arguments": {"input": "1"}}),
-         f"missing required argument(s) 'code' for {NAME}"),
-        (wrap({"name": NAME, "arguments": {"code": "1", "z": 1, "y": 2}}),
-         f"unexpected argument(s) 'y', 'z' for {NAME} (allowed: 'code', 'input')"),
-        ("<answer>" + wrap({"name": NAME, "arguments": {"code": "1"}}),
-         "tool call inside <answer>: call tools before answering, the answer must be final"),
-    ]  # fmt: skip
+        (
+            wrap({"name": NAME, "arguments": {"input": "1"}}),
+            f"missing required argument(s) 'code' for {NAME}",
+        ),
+        (
+            wrap({"name": NAME, "arguments": {"code": "1", "z": 1, "y": 2}}),
+            f"unexpected argument(s) 'y', 'z' for {NAME} (allowed: 'code', 'input')",
+        ),
+        (
+            "<answer>" + wrap({"name": NAME, "arguments": {"code": "1"}}),
+            "tool call inside <answer>: call tools before answering, the answer must be final",
+        ),
+    ]
     for text, message in cases:
         err = only_error(text)
         assert err.message == message, text

@@ -20,9 +20,14 @@ async def test_two_tools_in_one_trajectory_and_roc_counts_each_tools_errors(pool
     _, recordings = taught
     events: list[tuple[str, dict]] = []
     traj = await run_trajectory(
-        pool, tokenizer, sandbox, SCRIPTS["two"].problem, CFG_TWO_TOOLS, group="two",
+        pool,
+        tokenizer,
+        sandbox,
+        SCRIPTS["two"].problem,
+        CFG_TWO_TOOLS,
+        group="two",
         on_event=lambda k, p: events.append((k, p)),
-    )  # fmt: skip
+    )
     rec = recordings["two"]
     assert (traj.finish_reason, traj.turns, traj.error) == ("answered", 3, "")
     assert traj.response_ids == rec.response_ids and traj.loss_mask == rec.loss_mask

@@ -24,10 +24,25 @@ from tirl.data.filters import deduplicate, filter_integer_answers, integer_answe
 
 @pytest.mark.parametrize(
     ("answer", "value"),
-    [("+5", 5), ("-0", 0), ("-12", -12), ("-1,234", -1234), ("$$12$$", 12), ("\\boxed{-4}", -4),
-     ("$\\boxed{7}$", 7), ("\\boxed{$8$}", 8), ("\\boxed{}", None), ("$$", None), ("--3", None),
-     ("1,0000", None), ("12,345,678", 12345678), ("7x", None), ("x7", None), ("1 000", None)],
-)  # fmt: skip
+    [
+        ("+5", 5),
+        ("-0", 0),
+        ("-12", -12),
+        ("-1,234", -1234),
+        ("$$12$$", 12),
+        ("\\boxed{-4}", -4),
+        ("$\\boxed{7}$", 7),
+        ("\\boxed{$8$}", 8),
+        ("\\boxed{}", None),
+        ("$$", None),
+        ("--3", None),
+        ("1,0000", None),
+        ("12,345,678", 12345678),
+        ("7x", None),
+        ("x7", None),
+        ("1 000", None),
+    ],
+)
 def test_integer_answer_edges(answer, value):
     assert integer_answer(answer) == value
 

@@ -13,9 +13,21 @@ AIME_STYLE = "Let $S$ be the set of lattice points inside the circle of radius s
 
 @pytest.mark.parametrize(
     ("answer", "value"),
-    [("025", 25), ("-3", -3), ("1,000", 1000), ("$12$", 12), ("\\boxed{7}", 7), (" 42 ", 42),
-     ("\\frac{1}{2}", None), ("3.5", None), ("12.0", None), ("1,2", None), ("x", None), ("", None)],
-)  # fmt: skip
+    [
+        ("025", 25),
+        ("-3", -3),
+        ("1,000", 1000),
+        ("$12$", 12),
+        ("\\boxed{7}", 7),
+        (" 42 ", 42),
+        ("\\frac{1}{2}", None),
+        ("3.5", None),
+        ("12.0", None),
+        ("1,2", None),
+        ("x", None),
+        ("", None),
+    ],
+)
 def test_integer_answer(answer, value):
     assert integer_answer(answer) == value
 
@@ -84,9 +96,19 @@ def test_prepare_cli(tmp_path):
     out = tmp_path / "clean.jsonl"
     result = CliRunner().invoke(
         app,
-        ["data", "prepare", "--input", str(train), "--decontaminate-against", str(bench),
-         "--out", str(out), "--max-digits", "10"],
-    )  # fmt: skip
+        [
+            "data",
+            "prepare",
+            "--input",
+            str(train),
+            "--decontaminate-against",
+            str(bench),
+            "--out",
+            str(out),
+            "--max-digits",
+            "10",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["t1"]
     for reason in ["duplicate", "non_integer_answer", "answer_over_10_digits", "8-gram overlap"]:
@@ -95,8 +117,9 @@ def test_prepare_cli(tmp_path):
 
 
 def test_prepare_cli_bad_input(tmp_path):
-    result = CliRunner().invoke(app, ["data", "prepare", "--input", str(tmp_path / "nope.jsonl"),
-                                      "--out", str(tmp_path / "o.jsonl")])  # fmt: skip
+    result = CliRunner().invoke(
+        app, ["data", "prepare", "--input", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o.jsonl")]
+    )
     assert result.exit_code != 0
     assert "no such file" in result.output
     assert not (tmp_path / "o.jsonl").exists()
@@ -147,9 +170,11 @@ def test_prepare_cli_rejects_empty_files_and_bad_numbers(tmp_path):
         (["--input", str(empty)], "empty.jsonl: holds no problems"),
         (["--input", str(train), "--decontaminate-against", str(empty)], "empty.jsonl: holds no problems"),
         (["--input", str(train), "--ngram", "0"], "--ngram"),
-        (["--input", str(train), "--decontaminate-against", "aime24", "--data-dir", str(tmp_path)],
-         f"aime24: no local copy ({tmp_path / 'aime2024.jsonl'} does not exist)"),
-    ]  # fmt: skip
+        (
+            ["--input", str(train), "--decontaminate-against", "aime24", "--data-dir", str(tmp_path)],
+            f"aime24: no local copy ({tmp_path / 'aime2024.jsonl'} does not exist)",
+        ),
+    ]
     for args, message in cases:
         result = CliRunner().invoke(app, [*base, *args])
         assert result.exit_code == 2 and message in result.output, result.output

@@ -20,10 +20,13 @@ def test_jsonl_field_mapping(tmp_path):
         [
             {"id": "a", "problem": "What is 1+1?", "answer": "2", "level": 1},
             {"question": "What is 2+2?", "ground_truth": 4},
-            {"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "3+3?"}],
-             "reward_model": {"ground_truth": "6"}, "data_source": "verl"},
+            {
+                "prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "3+3?"}],
+                "reward_model": {"ground_truth": "6"},
+                "data_source": "verl",
+            },
         ],
-    )  # fmt: skip
+    )
     a, b, c = load_problems(path)
     assert (a.id, a.problem, a.answer, a.source, a.meta) == ("a", "What is 1+1?", "2", "mixed", {"level": 1})
     assert (b.id, b.problem, b.answer) == ("mixed-1", "What is 2+2?", "4")

@@ -21,8 +21,13 @@ from tirl.demo.synthetic import generate, guess_range
 from tirl.reward import score
 
 SCHEMA = {"name": "python", "parameters": {"properties": {"code": {"type": "string"}}, "required": ["code"]}}
-CFG = AgentConfig(system_prompt="Use the python tool.", user_prompt="{problem}", tool_schema=SCHEMA, tool_timeout=1.0,
-                  use_chat_template=False)  # fmt: skip
+CFG = AgentConfig(
+    system_prompt="Use the python tool.",
+    user_prompt="{problem}",
+    tool_schema=SCHEMA,
+    tool_timeout=1.0,
+    use_chat_template=False,
+)
 
 
 def turns(completion: str) -> list[str]:

@@ -19,8 +19,23 @@ def test_eval_writes_consistent_report(tiny_model_dir, tmp_path):
     data = tmp_path / "three.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
     out = tmp_path / "run"
-    args = ["eval", "--model", str(tiny_model_dir), "--data", str(data), "--samples", "2", "--max-tokens", "48",
-            "--max-turns", "3", "--out", str(out), "--reward-workers", "1"]  # fmt: skip
+    args = [
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data),
+        "--samples",
+        "2",
+        "--max-tokens",
+        "48",
+        "--max-turns",
+        "3",
+        "--out",
+        str(out),
+        "--reward-workers",
+        "1",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
 

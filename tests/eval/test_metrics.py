@@ -105,8 +105,11 @@ def test_report_files(tmp_path):
     assert metrics["benchmarks"]["toy"]["pass1"] == 0.5
     lines = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert [(r["problem_id"], r["sample_index"], r["answer"]) for r in lines] == [
-        ("p1", 0, "5"), ("p1", 1, "5"), ("p2", 0, "6"), ("p2", 1, None)
-    ]  # fmt: skip
+        ("p1", 0, "5"),
+        ("p1", 1, "5"),
+        ("p2", 0, "6"),
+        ("p2", 1, None),
+    ]
     assert lines[0]["majority"] and not lines[1]["majority"]
 
 

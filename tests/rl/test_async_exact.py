@@ -101,11 +101,20 @@ def tokenizer(tiny_model_dir):
 
 def _producer(engine, tokenizer, versions, *, k: int, exact: bool, steps: int, p: int = 2, n: int = 2):
     return GroupProducer(
-        _Runtime(_Pool(engine), tokenizer), versions, PROBLEMS, EpochSampler(len(PROBLEMS), 7), AGENT,
+        _Runtime(_Pool(engine), tokenizer),
+        versions,
+        PROBLEMS,
+        EpochSampler(len(PROBLEMS), 7),
+        AGENT,
         lambda group, seed: list(range(len(group))),
-        prompts_per_step=p, rollouts_per_prompt=n, max_staleness=k, seed=7, first_step=0, steps=steps,
+        prompts_per_step=p,
+        rollouts_per_prompt=n,
+        max_staleness=k,
+        seed=7,
+        first_step=0,
+        steps=steps,
         exact=exact,
-    )  # fmt: skip
+    )
 
 
 async def _sync(versions: WeightVersions, engine: WeightsEngine, version: int) -> None:

@@ -263,9 +263,15 @@ def producer(env: Env, versions: WeightVersions | None = None, **kw) -> GroupPro
     args = dict(prompts_per_step=2, rollouts_per_prompt=2, max_staleness=1, seed=3, first_step=0, steps=5)
     args |= kw
     return GroupProducer(
-        Runtime(GatePool(env)), versions or WeightVersions(0), PROBLEMS, EpochSampler(len(PROBLEMS), 11),
-        AGENT, select, on_trajectory=env.seen.append, **args,
-    )  # fmt: skip
+        Runtime(GatePool(env)),
+        versions or WeightVersions(0),
+        PROBLEMS,
+        EpochSampler(len(PROBLEMS), 11),
+        AGENT,
+        select,
+        on_trajectory=env.seen.append,
+        **args,
+    )
 
 
 def pending(p: GroupProducer) -> list[list]:

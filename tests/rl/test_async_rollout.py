@@ -136,11 +136,19 @@ async def runtime(tiny_model_dir):
 
 def _producer(rt, versions, alg: AlgorithmConfig, steps: int, seed: int = 3) -> GroupProducer:
     return GroupProducer(
-        rt, versions, PROBLEMS, EpochSampler(len(PROBLEMS), seed), AGENT,
+        rt,
+        versions,
+        PROBLEMS,
+        EpochSampler(len(PROBLEMS), seed),
+        AGENT,
         lambda group, s: roc_select(group, alg, s),
-        prompts_per_step=alg.prompts_per_step, rollouts_per_prompt=alg.rollouts_per_prompt,
-        max_staleness=alg.staleness_bound, seed=seed, first_step=0, steps=steps,
-    )  # fmt: skip
+        prompts_per_step=alg.prompts_per_step,
+        rollouts_per_prompt=alg.rollouts_per_prompt,
+        max_staleness=alg.staleness_bound,
+        seed=seed,
+        first_step=0,
+        steps=steps,
+    )
 
 
 @session_loop
@@ -164,8 +172,11 @@ async def test_streamed_step_equals_generate_then_score_then_roc(runtime):
     for got, want in zip(step.groups, groups, strict=True):
         for a, b in zip(got, want, strict=True):
             assert (a.problem_id, a.sample_index, a.response_ids, a.loss_mask) == (
-                b.problem_id, b.sample_index, b.response_ids, b.loss_mask,
-            )  # fmt: skip
+                b.problem_id,
+                b.sample_index,
+                b.response_ids,
+                b.loss_mask,
+            )
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5) and a.reward == b.reward
             assert set(a.versions) == {0}
     assert step.metrics["async/staleness/0"] == 2 and step.metrics["async/dropped_stale"] == 0

@@ -51,10 +51,16 @@ def test_opting_out_warns_what_happens(off):
 def test_opting_out_from_the_command_line_warns():
     with pytest.warns(UncorrectedAsyncWarning, match="max_staleness=2"):
         cfg = load_config(
-            TrainConfig, None,
-            ["model=m", "stages=[{steps: 1, data: x}]", "algorithm.async=true", "algorithm.max_staleness=2",
-             "algorithm.tis_cap=null"],
-        )  # fmt: skip
+            TrainConfig,
+            None,
+            [
+                "model=m",
+                "stages=[{steps: 1, data: x}]",
+                "algorithm.async=true",
+                "algorithm.max_staleness=2",
+                "algorithm.tis_cap=null",
+            ],
+        )
     assert cfg.algorithm.tis_cap is None
 
 
@@ -81,8 +87,13 @@ def test_exact_staleness_needs_async():
 
 # --- guard rails ------------------------------------------------------------------------------------
 
-HEALTHY = {"train/engine_logprob_gap": 0.006, "finish/length": 0.05, "train/tis_truncated_frac": 0.001,
-           "train/approx_kl": 0.002, "train/ratio_max": 4.0}  # fmt: skip
+HEALTHY = {
+    "train/engine_logprob_gap": 0.006,
+    "finish/length": 0.05,
+    "train/tis_truncated_frac": 0.001,
+    "train/approx_kl": 0.002,
+    "train/ratio_max": 4.0,
+}
 # step 16 of the collapsed async run without correction (the numbers)
 COLLAPSED = {"train/engine_logprob_gap": 0.2, "finish/length": 0.96, "train/approx_kl": 0.3}
 
@@ -158,13 +169,21 @@ def test_the_trainer_reports_then_stops_with_the_message(tmp_path):
 
     logging = LoggingConfig(tensorboard=False, alert_action="stop", alert_stop_after=2)
     run = SimpleNamespace(
-        cfg=SimpleNamespace(run_dir=tmp_path), state=TrainerState(), alerts=AlertMonitor(logging),
+        cfg=SimpleNamespace(run_dir=tmp_path),
+        state=TrainerState(),
+        alerts=AlertMonitor(logging),
         logger=MetricsLogger(tmp_path, logging),
-    )  # fmt: skip
+    )
     _checkpoints(tmp_path, [10])
     stage, console = SimpleNamespace(name="s", steps=30), Console(record=True, width=400)
-    row = {"reward/mean": 0.0, "response/length_mean": 384, "tools/calls_per_traj": 1.0,
-           "tools/error_ratio": 1.0, "train/loss": 0.1, "time/step_s": 1.0}  # fmt: skip
+    row = {
+        "reward/mean": 0.0,
+        "response/length_mean": 384,
+        "tools/calls_per_traj": 1.0,
+        "tools/error_ratio": 1.0,
+        "train/loss": 0.1,
+        "time/step_s": 1.0,
+    }
     stops = []
     for step, m in ((15, HEALTHY), (16, COLLAPSED), (17, COLLAPSED)):
         run.state.step = run.state.stage_step = step

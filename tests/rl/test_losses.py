@@ -117,8 +117,12 @@ def test_diagnostics_by_hand():
     # micro-batches add up: two halves give the same sums and max as the whole
     total = Diagnostics()
     for rows in ((0,), (1,)):
-        part = PolicyInputs(inputs.logprobs[list(rows)], inputs.old_logprobs[list(rows)],
-                            torch.tensor([ADV[r] for r in rows]), inputs.mask[list(rows)])  # fmt: skip
+        part = PolicyInputs(
+            inputs.logprobs[list(rows)],
+            inputs.old_logprobs[list(rows)],
+            torch.tensor([ADV[r] for r in rows]),
+            inputs.mask[list(rows)],
+        )
         total.add(Objective()(part, BatchCounts(5, 2))[1])
     assert total.per_token(5) == pytest.approx(m)
 

@@ -70,8 +70,16 @@ def test_alerts_wait_for_enough_calls_and_a_running_mean():
 
 
 def test_reward_pool_stats_per_step():
-    before = {"responses": 4, "no_answer": 0, "fast": 1, "verified": 3, "timeouts": 0, "killed": 0, "errors": 0,
-              "verify_s": 0.3}  # fmt: skip
+    before = {
+        "responses": 4,
+        "no_answer": 0,
+        "fast": 1,
+        "verified": 3,
+        "timeouts": 0,
+        "killed": 0,
+        "errors": 0,
+        "verify_s": 0.3,
+    }
     after = {**before, "responses": 10, "verified": 5, "timeouts": 1, "verify_s": 1.3}
     m = reward_metrics(before, after)
     assert (m["reward_pool/responses"], m["reward_pool/verified"], m["reward_pool/timeouts"]) == (6, 2, 1)

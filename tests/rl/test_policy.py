@@ -121,7 +121,8 @@ def test_gradient_checkpointing_recomputes_layers_without_dropout(tiny_model_dir
     assert torch.equal(policy.forward(samples).logprobs.detach(), first)  # no dropout
     grad = policy.model.model.layers[0].self_attn.q_proj.weight.grad.clone()
 
-    reference = Policy(str(model_dir), optim.model_copy(update={"gradient_checkpointing": False}),
-                       init_distributed("cpu"), 1)  # fmt: skip
+    reference = Policy(
+        str(model_dir), optim.model_copy(update={"gradient_checkpointing": False}), init_distributed("cpu"), 1
+    )
     reference.accumulate(samples, lambda mb: -(mb.logprobs * mb.mask).sum())
     assert torch.allclose(grad, reference.model.model.layers[0].self_attn.q_proj.weight.grad, atol=1e-6)

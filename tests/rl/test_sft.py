@@ -73,10 +73,16 @@ def test_sft_run_learns_and_writes_loadable_checkpoints(tiny_model_dir, tmp_path
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(ex) + "\n" for ex in [CHAT, RAW] * 4))
     cfg = SFTConfig(
-        model=str(tiny_model_dir), data=[str(data)], output_dir=str(tmp_path), run_name="sft",
-        epochs=6, batch_size=4, optim={"lr": 3e-3, "schedule": "cosine", "warmup_ratio": 0.25, "device": "cpu"},
-        checkpoint={"every": 4, "keep_last": 2}, logging={"tensorboard": True},
-    )  # fmt: skip
+        model=str(tiny_model_dir),
+        data=[str(data)],
+        output_dir=str(tmp_path),
+        run_name="sft",
+        epochs=6,
+        batch_size=4,
+        optim={"lr": 3e-3, "schedule": "cosine", "warmup_ratio": 0.25, "device": "cpu"},
+        checkpoint={"every": 4, "keep_last": 2},
+        logging={"tensorboard": True},
+    )
     run_dir = run_sft(cfg, progress=False)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 13))

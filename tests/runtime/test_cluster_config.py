@@ -37,9 +37,10 @@ def test_local_is_the_default_and_ray_only_fields_are_refused_under_it(tmp_path)
 def test_ray_config_carries_placement(tmp_path):
     pytest.importorskip("ray")  # make test installs tirl[ray]; this checks the parsing only
     cfg = load_config(
-        TrainConfig, _config(tmp_path),
+        TrainConfig,
+        _config(tmp_path),
         ["cluster.backend=ray", "cluster.trainer.ranks=2", "cluster.engines.resources={engine_node: 1}"],
-    )  # fmt: skip
+    )
     assert cfg.cluster.trainer.ranks == 2
     assert cfg.cluster.engines.as_bundle() == {"CPU": 1.0, "engine_node": 1.0}
 
@@ -49,8 +50,11 @@ def test_missing_ray_is_one_clear_line(tmp_path):
     code = "import sys; sys.modules['ray'] = None; sys.argv[0] = 'tirl'; from tirl.cli import app; app()"
     proc = subprocess.run(
         [sys.executable, "-c", code, "train", "--config", str(_config(tmp_path)), "cluster.backend=ray"],
-        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'tirl[ray]'" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -85,18 +89,25 @@ def test_colocate_is_validated(tmp_path):
         "cluster.colocate is for backend=ray": ["cluster.colocate=true"],
         "engine.num_engines=1 and cluster.trainer.ranks=2": [*ray, "engine.num_engines=1"],
         r"cluster\.engines\.num_gpus=1 differs from cluster\.trainer\.num_gpus=0": [
-            *ray, "cluster.engines.num_gpus=1",
+            *ray,
+            "cluster.engines.num_gpus=1",
         ],
         "num_gpus=2, but a colocated engine and rank share one GPU": [
-            *ray, "cluster.engines.num_gpus=2", "cluster.trainer.num_gpus=2",
+            *ray,
+            "cluster.engines.num_gpus=2",
+            "cluster.trainer.num_gpus=2",
         ],
         r"cluster\.engines\.resources=\{'gpu_node': 1\.0\} and cluster\.trainer\.resources=\{\} differ": [
-            *ray, "cluster.engines.resources={gpu_node: 1}",
+            *ray,
+            "cluster.engines.resources={gpu_node: 1}",
         ],
         "set engine.enable_sleep_mode=true": [
-            *ray, "engine.backend=vllm", "cluster.engines.num_gpus=1", "cluster.trainer.num_gpus=1",
+            *ray,
+            "engine.backend=vllm",
+            "cluster.engines.num_gpus=1",
+            "cluster.trainer.num_gpus=1",
         ],
-    }  # fmt: skip
+    }
     for message, overrides in bad.items():
         with pytest.raises(ConfigError, match=message):
             load_config(TrainConfig, _config(tmp_path), overrides)

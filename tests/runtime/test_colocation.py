@@ -120,9 +120,14 @@ async def test_rl_step_hands_memory_over_in_order():
     )
     info = SimpleNamespace(is_main=False, enabled=False)  # the update/sync half of the step
     run = SimpleNamespace(
-        cfg=cfg, info=info, learner=FakeLearner(log), runtime=_runtime(log, 2), versions=None,
-        state=TrainerState(), blocking=None,
-    )  # fmt: skip
+        cfg=cfg,
+        info=info,
+        learner=FakeLearner(log),
+        runtime=_runtime(log, 2),
+        versions=None,
+        state=TrainerState(),
+        blocking=None,
+    )
 
     async def blocking(fn, *args):
         return fn(*args)

@@ -131,12 +131,18 @@ def test_two_step_grpo_roc_on_two_nodes_matches_local(cluster, tiny_model_dir, t
     local = run_training(load_config(TrainConfig, config, ["run_name=local"]), progress=False)
     on_ray = run_training(
         load_config(
-            TrainConfig, config,
-            ["run_name=ray", "cluster.backend=ray", f"cluster.address={cluster.address}", "cluster.trainer.ranks=2",
-             "cluster.weight_sync_bucket_mb=0.05"],  # several buckets even for the tiny model
+            TrainConfig,
+            config,
+            [
+                "run_name=ray",
+                "cluster.backend=ray",
+                f"cluster.address={cluster.address}",
+                "cluster.trainer.ranks=2",
+                "cluster.weight_sync_bucket_mb=0.05",
+            ],  # several buckets even for the tiny model
         ),
         progress=False,
-    )  # fmt: skip
+    )
     want, got = read_metrics(local), read_metrics(on_ray)
     assert [r["step"] for r in got] == [1, 2]
     for w, g in zip(want, got, strict=True):
@@ -175,13 +181,20 @@ def test_two_nodes_with_vllm_engines_sync_exactly_over_small_buckets(cluster, ti
     config = _write_config(tmp_path, tiny_model_dir)
     on_ray = run_training(
         load_config(
-            TrainConfig, config,
-            ["run_name=ray-vllm", "cluster.backend=ray", f"cluster.address={cluster.address}",
-             "cluster.trainer.ranks=2", "cluster.weight_sync_bucket_mb=0.05", "engine.backend=vllm",
-             "engine.kv_cache_gb=0.02"],
+            TrainConfig,
+            config,
+            [
+                "run_name=ray-vllm",
+                "cluster.backend=ray",
+                f"cluster.address={cluster.address}",
+                "cluster.trainer.ranks=2",
+                "cluster.weight_sync_bucket_mb=0.05",
+                "engine.backend=vllm",
+                "engine.kv_cache_gb=0.02",
+            ],
         ),
         progress=False,
-    )  # fmt: skip
+    )
     got = read_metrics(on_ray)
     from transformers import AutoModelForCausalLM
 
@@ -363,11 +376,33 @@ def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_d
     data.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in PROBLEMS))
     src = str(Path(__file__).parents[2] / "src")
     cmd = [
-        sys.executable, "-m", "tirl.cli", "eval", "--model", str(tiny_model_dir), "--data", str(data),
-        "--samples", "4", "--max-turns", "2", "--max-tokens", "24", "--num-engines", "2", "--device", "cpu",
-        "--reward-workers", "1", "--out", str(tmp_path / "eval"),
-        "--cluster", "ray", "--ray-address", cluster.address,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tirl.cli",
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data),
+        "--samples",
+        "4",
+        "--max-turns",
+        "2",
+        "--max-tokens",
+        "24",
+        "--num-engines",
+        "2",
+        "--device",
+        "cpu",
+        "--reward-workers",
+        "1",
+        "--out",
+        str(tmp_path / "eval"),
+        "--cluster",
+        "ray",
+        "--ray-address",
+        cluster.address,
+    ]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": src}
     )
@@ -458,12 +493,21 @@ def _placed(cluster, tiny_model_dir, tmp_path, colocate: bool):
     `tirl train` does; where each landed: (placement groups' bundles, engines, trainer ranks)."""
     config = _write_config(tmp_path, tiny_model_dir)
     cfg = load_config(
-        TrainConfig, config,
-        ["cluster.backend=ray", f"cluster.address={cluster.address}", f"cluster.colocate={colocate}",
-         "cluster.trainer.ranks=2", "cluster.engines.num_gpus=1", "cluster.trainer.num_gpus=1",
-         "cluster.engines.num_cpus=0.5", "cluster.trainer.num_cpus=0.5", "cluster.sandbox.per_node=false",
-         "sandbox.mode=inprocess"],
-    )  # fmt: skip
+        TrainConfig,
+        config,
+        [
+            "cluster.backend=ray",
+            f"cluster.address={cluster.address}",
+            f"cluster.colocate={colocate}",
+            "cluster.trainer.ranks=2",
+            "cluster.engines.num_gpus=1",
+            "cluster.trainer.num_gpus=1",
+            "cluster.engines.num_cpus=0.5",
+            "cluster.trainer.num_cpus=0.5",
+            "cluster.sandbox.per_node=false",
+            "sandbox.mode=inprocess",
+        ],
+    )
 
     async def main():
         await _cluster_idle()
@@ -554,10 +598,15 @@ def test_driver_sigkilled_mid_stage_resumes_exactly_and_leaves_no_ray_process(
 
     config = _write_config(tmp_path, tiny_model_dir)
     overrides = [  # colocated: engine i and trainer rank i share bundle i (half a CPU each)
-        "cluster.backend=ray", f"cluster.address={cluster.address}", "cluster.trainer.ranks=2",
-        "cluster.colocate=true", "cluster.engines.num_cpus=0.5", "cluster.trainer.num_cpus=0.5",
-        "checkpoint.every=1", "checkpoint.keep_last=2",
-    ]  # fmt: skip
+        "cluster.backend=ray",
+        f"cluster.address={cluster.address}",
+        "cluster.trainer.ranks=2",
+        "cluster.colocate=true",
+        "cluster.engines.num_cpus=0.5",
+        "cluster.trainer.num_cpus=0.5",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=2",
+    ]
     ref = run_training(load_config(TrainConfig, config, ["run_name=ref", *overrides]), progress=False)
 
     raylets = _raylets()
@@ -616,9 +665,13 @@ def test_filter_hard_through_the_ray_runtime_matches_local(cluster, tiny_model_d
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in PROBLEMS))
     common = [
-        "engine.num_engines=2", "engine.device=cpu", "engine.max_model_len=1024",
-        "agent.max_response_tokens=24", "sandbox.mode=inprocess", "reward.workers=1",
-    ]  # fmt: skip
+        "engine.num_engines=2",
+        "engine.device=cpu",
+        "engine.max_model_len=1024",
+        "agent.max_response_tokens=24",
+        "sandbox.mode=inprocess",
+        "reward.workers=1",
+    ]
 
     def filter_hard(out: Path, *overrides: str) -> str:
         args = ["data", "filter-hard", "--checkpoint", str(tiny_model_dir), "--data", str(data), "-k", "3"]
@@ -629,9 +682,11 @@ def test_filter_hard_through_the_ray_runtime_matches_local(cluster, tiny_model_d
 
     local = filter_hard(tmp_path / "local.jsonl")
     on_ray = filter_hard(
-        tmp_path / "ray.jsonl", "cluster.backend=ray", f"cluster.address={cluster.address}",
+        tmp_path / "ray.jsonl",
+        "cluster.backend=ray",
+        f"cluster.address={cluster.address}",
         "cluster.sandbox.per_node=false",
-    )  # fmt: skip
+    )
     assert load_problems(tmp_path / "ray.jsonl") == load_problems(tmp_path / "local.jsonl")
     assert local.split("; rollouts per engine")[0] == on_ray.split("; rollouts per engine")[0]
     leases = [int(n) for n in re.findall(r"hf\d (\d+)", on_ray.split("rollouts per engine:")[1])]

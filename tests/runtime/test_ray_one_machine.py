@@ -32,15 +32,21 @@ def _config(tmp_path: Path, model_dir: Path) -> Path:
     config.write_text(
         yaml.safe_dump(
             {
-                "model": str(model_dir), "output_dir": str(tmp_path / "runs"), "run_name": "r",
+                "model": str(model_dir),
+                "output_dir": str(tmp_path / "runs"),
+                "run_name": "r",
                 "engine": {"backend": "hf", "device": "cpu", "max_model_len": 1024, "max_batch_size": 4},
-                "agent": {"max_turns": 1, "max_response_tokens": 8}, "sandbox": {"mode": "inprocess", "slots": 1},
-                "reward": {"workers": 1}, "algorithm": {"prompts_per_step": 1, "group_size": 2},
-                "optim": {"device": "cpu"}, "stages": [{"steps": 1, "data": str(data)}],
-                "checkpoint": {"every": 1}, "logging": {"tensorboard": False},
+                "agent": {"max_turns": 1, "max_response_tokens": 8},
+                "sandbox": {"mode": "inprocess", "slots": 1},
+                "reward": {"workers": 1},
+                "algorithm": {"prompts_per_step": 1, "group_size": 2},
+                "optim": {"device": "cpu"},
+                "stages": [{"steps": 1, "data": str(data)}],
+                "checkpoint": {"every": 1},
+                "logging": {"tensorboard": False},
             }
         )
-    )  # fmt: skip
+    )
     return config
 
 
@@ -69,9 +75,14 @@ def test_a_private_ray_too_small_for_the_actors_fails_before_starting(tiny_model
     config = _config(tmp_path, tiny_model_dir)
     start = time.monotonic()
     done = _tirl(
-        "train", "--config", str(config), "cluster.backend=ray", "cluster.trainer.ranks=2", "cluster.num_cpus=2",
+        "train",
+        "--config",
+        str(config),
+        "cluster.backend=ray",
+        "cluster.trainer.ranks=2",
+        "cluster.num_cpus=2",
         timeout=300,
-    )  # fmt: skip
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cluster.num_cpus=2 is fewer logical CPUs"), lines

@@ -37,17 +37,22 @@ def _config(tmp_path: Path, model_dir: Path) -> Path:
     config.write_text(
         yaml.safe_dump(
             {
-                "model": str(model_dir), "output_dir": str(tmp_path / "runs"), "run_name": "r", "seed": 3,
+                "model": str(model_dir),
+                "output_dir": str(tmp_path / "runs"),
+                "run_name": "r",
+                "seed": 3,
                 "engine": {"backend": "vllm", "max_model_len": 1024, "kv_cache_gb": 0.02},
-                "agent": {"max_turns": 1, "max_response_tokens": 16}, "sandbox": {"mode": "inprocess", "slots": 1},
+                "agent": {"max_turns": 1, "max_response_tokens": 16},
+                "sandbox": {"mode": "inprocess", "slots": 1},
                 "reward": {"workers": 1},
                 "algorithm": {"prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "entropy_coef": 0.1},
                 "optim": {"device": "cpu", "lr": 1e-3, "warmup_steps": 0},
                 "stages": [{"steps": 2, "data": str(data)}],
-                "checkpoint": {"every": 2}, "logging": {"tensorboard": False},
+                "checkpoint": {"every": 2},
+                "logging": {"tensorboard": False},
             }
         )
-    )  # fmt: skip
+    )
     return config
 
 
@@ -65,8 +70,11 @@ def test_torchrun_two_ranks_with_a_vllm_cpu_engine_keeps_engine_and_trainer_in_s
     ]
     done = subprocess.run(
         [*torchrun, "-m", "tirl.cli", "train", "--config", str(config)],
-        env=env, capture_output=True, text=True, timeout=850,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = read_metrics(tmp_path / "runs" / "r")
     assert [g["step"] for g in got] == [1, 2]

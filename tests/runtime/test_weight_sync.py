@@ -57,9 +57,15 @@ def _qwen3_14b_on_meta() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
-        hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
-        intermediate_size=17408, vocab_size=151936, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=17408,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 

@@ -12,10 +12,16 @@ from tirl.distributed.weight_sync import ALIGN, Entry, SyncGroup, layer_group, p
 
 @pytest.mark.parametrize(
     ("shape", "dtype", "nbytes", "slot"),
-    [((16,), "torch.float32", 64, 64), ((17,), "torch.float32", 68, 128), ((), "torch.float64", 8, 64),
-     ((0,), "torch.float16", 2, 64), ((2, 3), "torch.bfloat16", 12, 64), ((32, 4), "torch.float16", 256, 256),
-     ((33,), "torch.float64", 264, 320)],
-)  # fmt: skip
+    [
+        ((16,), "torch.float32", 64, 64),
+        ((17,), "torch.float32", 68, 128),
+        ((), "torch.float64", 8, 64),
+        ((0,), "torch.float16", 2, 64),
+        ((2, 3), "torch.bfloat16", 12, 64),
+        ((32, 4), "torch.float16", 256, 256),
+        ((33,), "torch.float64", 264, 320),
+    ],
+)
 def test_entry_bytes_and_aligned_slot(shape, dtype, nbytes, slot):
     e = Entry("w", shape, dtype)
     assert (e.nbytes, e.slot) == (nbytes, slot)
@@ -24,10 +30,17 @@ def test_entry_bytes_and_aligned_slot(shape, dtype, nbytes, slot):
 
 @pytest.mark.parametrize(
     ("name", "group"),
-    [("model.layers.3.mlp.up_proj.weight", "model.layers.3"), ("model.layers.10.input_layernorm.weight", "model.layers.10"),
-     ("a.layers.3.b.layers.4.c", "a.layers.3"), ("lm_head.weight", "lm_head"), ("bias", "bias"),
-     ("model.layers.weight", "model.layers"), ("model.layers.7", "model.layers"), ("x.layers.2x.w", "x.layers.2x")],
-)  # fmt: skip
+    [
+        ("model.layers.3.mlp.up_proj.weight", "model.layers.3"),
+        ("model.layers.10.input_layernorm.weight", "model.layers.10"),
+        ("a.layers.3.b.layers.4.c", "a.layers.3"),
+        ("lm_head.weight", "lm_head"),
+        ("bias", "bias"),
+        ("model.layers.weight", "model.layers"),
+        ("model.layers.7", "model.layers"),
+        ("x.layers.2x.w", "x.layers.2x"),
+    ],
+)
 def test_layer_groups(name, group):
     assert layer_group(name) == group
 

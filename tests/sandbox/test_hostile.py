@@ -55,8 +55,10 @@ async def test_hostile_input(pool, canary, name):
         assert (r.stdout, r.message, r.stderr) == ("before\n", "", ""), (name, r)
     else:
         assert any(m in r.message + r.stderr for m in ([message] if isinstance(message, str) else message)), (
-            name, r.message, r.stderr[-300:],
-        )  # fmt: skip
+            name,
+            r.message,
+            r.stderr[-300:],
+        )
     assert "/work" not in r.render() and "site-packages" not in r.render(), r.render()
     assert r.wall_ms < timeout * 1000 + 10_000  # killing a fork bomb's namespace takes a moment under load
     assert_host_untouched(canary, pool.uids, zygote_pids(os.getpid()))

@@ -82,8 +82,21 @@ async def test_no_call_can_read_an_earlier_call(pool, heavy):
 async def test_only_allowlisted_host_files_exist(pool, canary):
     """The host's data, the project's runs, home directories and /sys do not exist inside."""
     here = Path(__file__).resolve()
-    probes = [str(here), str(here.parents[2] / "runs"), "/work/shared", "/home", "/root/.bashrc", "/var/log",
-              "/etc/shadow", "/etc/hosts", "/sys/fs/cgroup", "/dev/ptmx", "/dev/pts", str(canary), "/old_root"]  # fmt: skip
+    probes = [
+        str(here),
+        str(here.parents[2] / "runs"),
+        "/work/shared",
+        "/home",
+        "/root/.bashrc",
+        "/var/log",
+        "/etc/shadow",
+        "/etc/hosts",
+        "/sys/fs/cgroup",
+        "/dev/ptmx",
+        "/dev/pts",
+        str(canary),
+        "/old_root",
+    ]
     code = f"import os\nprint([p for p in {probes!r} if os.path.lexists(p)])\nimport numpy, sympy\nprint('imports ok')"
     r = await pool.run(code, timeout=20)
     assert (r.status, r.stdout) == (Status.OK, "[]\nimports ok\n"), r
@@ -93,8 +106,21 @@ async def test_only_allowlisted_host_files_exist(pool, canary):
     top, etc, dev = (json.loads(line) for line in r.stdout.splitlines())
     # the Python runtime may live anywhere (a CI checkout under /check, a venv under /opt): its top dirs only
     runtime = (sys.prefix, sys.base_prefix, Path(tirl.__file__).resolve().parents[1])
-    assert set(top) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr", "var",
-                        *(Path(p).resolve().parts[1] for p in runtime)}, top  # fmt: skip
+    assert set(top) <= {
+        "bin",
+        "dev",
+        "etc",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "proc",
+        "sbin",
+        "tmp",
+        "usr",
+        "var",
+        *(Path(p).resolve().parts[1] for p in runtime),
+    }, top
     assert set(etc) <= {"ld.so.cache", "localtime", "nsswitch.conf", "passwd", "group", "hostname"}, etc
     assert set(dev) <= {
         "null",
@@ -251,8 +277,10 @@ async def test_a_lone_surrogate_in_stdin_is_the_programs_text_not_a_sandbox_erro
 @session_loop
 async def test_large_stdin_with_small_memory_is_refused_and_the_slot_survives(pool, service):
     async with _http(service) as http:
-        resp = await http.post("/run", json={"code": "print(len(input()))", "stdin": "x" * (40 << 20),
-                                            "limits": {"memory_mb": 64}})  # fmt: skip
+        resp = await http.post(
+            "/run",
+            json={"code": "print(len(input()))", "stdin": "x" * (40 << 20), "limits": {"memory_mb": 64}},
+        )
         assert resp.status_code == 413 and "stdin" in resp.json()["error"], resp.text
     r = await pool.run(
         "import sys\nprint(len(sys.stdin.read()))", stdin="y" * (30 << 20), limits={"memory_mb": 64}

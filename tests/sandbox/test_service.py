@@ -36,8 +36,19 @@ async def test_run_and_batch_through_the_client(service):
 
 async def test_sandboxfusion_format(service):
     async with _http(service) as http:
-        ok = (await http.post("/run_code", json={"code": "print(1+1)", "language": "python", "run_timeout": 5,
-                                                  "compile_timeout": 5, "files": {}, "fetch_files": []})).json()  # fmt: skip
+        ok = (
+            await http.post(
+                "/run_code",
+                json={
+                    "code": "print(1+1)",
+                    "language": "python",
+                    "run_timeout": 5,
+                    "compile_timeout": 5,
+                    "files": {},
+                    "fetch_files": [],
+                },
+            )
+        ).json()
         assert ok["status"] == "Success"
         assert ok["run_result"]["status"] == "Finished" and ok["run_result"]["return_code"] == 0
         assert ok["run_result"]["stdout"] == "2\n" and ok["run_result"]["execution_time"] > 0
@@ -119,8 +130,18 @@ async def test_health_reports_active_isolation(service):
     if active["mode"] == "root":
         # all on; only what the environment forbids may be missing (e.g. CAP_SYS_RESOURCE in a container)
         assert all("OOM killer" in m for m in features["missing"]), features["missing"]
-        assert all(active[k] for k in ("pid_namespace", "mount_namespace", "readonly_root", "per_slot_uid",
-                                       "seccomp_denylist", "cgroup_memory", "cgroup_pids"))  # fmt: skip
+        assert all(
+            active[k]
+            for k in (
+                "pid_namespace",
+                "mount_namespace",
+                "readonly_root",
+                "per_slot_uid",
+                "seccomp_denylist",
+                "cgroup_memory",
+                "cgroup_pids",
+            )
+        )
         assert active["network"] == "per-slot empty netns" and active["allowlisted_root"]
     else:
         assert features["missing"], "a weaker sandbox must say what is missing"

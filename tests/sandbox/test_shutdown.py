@@ -26,9 +26,14 @@ def _free_port() -> int:
 def test_ctrl_c_answers_inflight_calls_with_503_not_500():
     port = _free_port()
     proc = subprocess.Popen(
-        foreground([sys.executable, "-m", "tirl.cli", "sandbox", "serve", "--port", str(port), "--slots", "2"]),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        foreground(
+            [sys.executable, "-m", "tirl.cli", "sandbox", "serve", "--port", str(port), "--slots", "2"]
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert "listening on" in proc.stdout.readline()
         url = f"http://127.0.0.1:{port}/run"

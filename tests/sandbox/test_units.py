@@ -40,21 +40,44 @@ def test_limits_are_clamped_to_server_maxima():
     [
         (ExecResult(Status.OK, stdout="42\n", wall_ms=12.3), "42\n[ok, 12 ms]"),
         (ExecResult(Status.OK, wall_ms=3), "[ok, 3 ms]"),
-        (ExecResult(Status.TIMEOUT, stdout="partial\n", message="Timed out after 5.0 s", wall_ms=5003),
-         "partial\n[timeout: Timed out after 5.0 s]"),
-        (ExecResult(Status.MEMORY_LIMIT, message="MemoryError: memory limit is 1 GiB", wall_ms=230),
-         "[memory_limit: MemoryError: memory limit is 1 GiB; 230 ms]"),
-        (ExecResult(Status.KILLED_BY_SIGNAL, message="killed by SIGSEGV", signal=11, wall_ms=1500),
-         "[killed_by_signal: killed by SIGSEGV; 1.50 s]"),
-        (ExecResult(Status.RUNTIME_ERROR, stderr="Traceback ...\nOSError: [Errno 101] Network is unreachable\n",
-                    message="OSError: [Errno 101] Network is unreachable", wall_ms=20, extra={"network_blocked": True}),
-         "Traceback ...\nOSError: [Errno 101] Network is unreachable\n[runtime_error: network access is disabled; 20 ms]"),
-        (ExecResult(Status.OK, stdout="a\n[... 73 MiB truncated ...]\nz\n", stdout_truncated_bytes=76546048, wall_ms=900,
-                    extra={"keep_bytes": 8192, "stdout_bytes": 76562432}),
-         "a\n[... 73 MiB truncated ...]\nz\n[ok: output truncated: first and last 8 KiB of 73 MiB shown; 900 ms]"),
-        (ExecResult(Status.QUEUE_TIMEOUT, message="no free slot within 60 s"), "[queue_timeout: no free slot within 60 s]"),
+        (
+            ExecResult(Status.TIMEOUT, stdout="partial\n", message="Timed out after 5.0 s", wall_ms=5003),
+            "partial\n[timeout: Timed out after 5.0 s]",
+        ),
+        (
+            ExecResult(Status.MEMORY_LIMIT, message="MemoryError: memory limit is 1 GiB", wall_ms=230),
+            "[memory_limit: MemoryError: memory limit is 1 GiB; 230 ms]",
+        ),
+        (
+            ExecResult(Status.KILLED_BY_SIGNAL, message="killed by SIGSEGV", signal=11, wall_ms=1500),
+            "[killed_by_signal: killed by SIGSEGV; 1.50 s]",
+        ),
+        (
+            ExecResult(
+                Status.RUNTIME_ERROR,
+                stderr="Traceback ...\nOSError: [Errno 101] Network is unreachable\n",
+                message="OSError: [Errno 101] Network is unreachable",
+                wall_ms=20,
+                extra={"network_blocked": True},
+            ),
+            "Traceback ...\nOSError: [Errno 101] Network is unreachable\n[runtime_error: network access is disabled; 20 ms]",
+        ),
+        (
+            ExecResult(
+                Status.OK,
+                stdout="a\n[... 73 MiB truncated ...]\nz\n",
+                stdout_truncated_bytes=76546048,
+                wall_ms=900,
+                extra={"keep_bytes": 8192, "stdout_bytes": 76562432},
+            ),
+            "a\n[... 73 MiB truncated ...]\nz\n[ok: output truncated: first and last 8 KiB of 73 MiB shown; 900 ms]",
+        ),
+        (
+            ExecResult(Status.QUEUE_TIMEOUT, message="no free slot within 60 s"),
+            "[queue_timeout: no free slot within 60 s]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_render(result, expected):
     assert result.render() == expected
 

@@ -151,8 +151,12 @@ def unprivileged_run(canary):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(tirl.__file__).parents[1]), "LANG": "C.UTF-8"}
     proc = subprocess.run(
         [sys.executable, "-c", SERVICE, json.dumps(_blocked_dirs()), *hidden],
-        capture_output=True, text=True, timeout=300, env=env, cwd="/",
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd="/",
+    )
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     if seen["features"]["mode"] != "userns":

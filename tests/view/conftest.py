@@ -112,9 +112,27 @@ def eval_dir(taught_model_dir, tmp_path_factory) -> Path:
     config = work / "eval.yaml"
     config.write_text(yaml.safe_dump({"agent": AGENT}, sort_keys=False))
     out = work / "out"
-    args = ["eval", "--model", str(taught_model_dir), "--data", str(_problems_file(work)), "--config", str(config),
-            "--samples", "2", "--temperature", "0", "--max-tokens", "300", "--max-turns", "4",
-            "--out", str(out), "--reward-workers", "1"]  # fmt: skip
+    args = [
+        "eval",
+        "--model",
+        str(taught_model_dir),
+        "--data",
+        str(_problems_file(work)),
+        "--config",
+        str(config),
+        "--samples",
+        "2",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "300",
+        "--max-turns",
+        "4",
+        "--out",
+        str(out),
+        "--reward-workers",
+        "1",
+    ]
     _cli(args)
     return out
 

@@ -125,11 +125,18 @@ def _synthetic(n: int) -> list[dict]:
             calls.append(ToolCallRecord(turn=turn, status=status, code=code))
         text += f"so the answer is <answer>\\boxed{{{i % 7}}}</answer><|im_end|>"
         traj = Trajectory(
-            problem_id=f"p{i // 8}", prompt_ids=[0] * 40, response_ids=[1] * (20 + i % 300),
-            loss_mask=[1] * (20 + i % 300), response_text=text, turns=i % 4 + 1, tool_calls=calls,
-            answer_blocks=1, finish_reason="length" if i % 10 == 0 else "answered",
-            reward=float(i % 7 == 3), sample_index=i % 8,
-        )  # fmt: skip
+            problem_id=f"p{i // 8}",
+            prompt_ids=[0] * 40,
+            response_ids=[1] * (20 + i % 300),
+            loss_mask=[1] * (20 + i % 300),
+            response_text=text,
+            turns=i % 4 + 1,
+            tool_calls=calls,
+            answer_blocks=1,
+            finish_reason="length" if i % 10 == 0 else "answered",
+            reward=float(i % 7 == 3),
+            sample_index=i % 8,
+        )
         rows.append(
             {"benchmark": f"bench{i % 3}", "problem": f"Problem {i}", "reference": "3", **compact(traj)}
         )
@@ -168,9 +175,22 @@ def test_ten_thousand_trajectories_open_and_filter(browser, tmp_path):
 def test_serve_serves_the_page_on_localhost(browser, eval_dir, tmp_path):
     out = tmp_path / "served.html"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tirl.cli", "view", str(eval_dir), "--out", str(out), "--serve", "--port", "0"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tirl.cli",
+            "view",
+            str(eval_dir),
+            "--out",
+            str(out),
+            "--serve",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
     try:
         assert proc.stdout.readline().startswith(f"wrote {out}")
         line = proc.stdout.readline()

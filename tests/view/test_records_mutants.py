@@ -40,12 +40,16 @@ def parts_of(turn: dict, kind: str) -> list:
 
 def test_turns_split_at_each_segment_and_calls_pair_with_their_records():
     text = (
-        "think " + call("print(1)") + " mid " + call("print(2)", "x")
+        "think "
+        + call("print(1)")
+        + " mid "
+        + call("print(2)", "x")
         + segment("1", "2")
-        + "again " + call("print(3)")
+        + "again "
+        + call("print(3)")
         + segment("boom", closed=True)
         + "done <answer>\\boxed{3}</answer>"
-    )  # fmt: skip
+    )
     records = [  # appended as calls finished: not in the text's order
         ToolCallRecord(turn=0, status="runtime_error", code="print(2)", wall_ms=5.0),
         ToolCallRecord(turn=1, status="timeout", code="print(3)", wall_ms=9.0),
@@ -136,9 +140,18 @@ def test_view_record_fields():
     text = call("print(1)") + segment("1") + "<answer>\\boxed{1}</answer><answer>2</answer>"
     records = [ToolCallRecord(0, "runtime_error", "print(1)", 1.0), ToolCallRecord(0, "ok", "y", 2.0)]
     raw = traj(
-        text, records, mask=[1, 1, 0, 1, 1], turns=2, answer_blocks=2, reward=1.0, error="e",
-        finish_reason="answered", gen_seconds=1.23456, tool_wait_seconds=0.98765, sample_index=3,
-    ).to_dict()  # fmt: skip
+        text,
+        records,
+        mask=[1, 1, 0, 1, 1],
+        turns=2,
+        answer_blocks=2,
+        reward=1.0,
+        error="e",
+        finish_reason="answered",
+        gen_seconds=1.23456,
+        tool_wait_seconds=0.98765,
+        sample_index=3,
+    ).to_dict()
     raw |= {"benchmark": "aime", "step": 4, "problem": "P?", "reference": "1", "roc": {"no_tool_p_err": 0.2}}
     v = view_record(raw, 5)
     assert (v["id"], v["bench"], v["step"], v["pid"], v["sample"]) == (5, "aime", 4, "p1", 3)

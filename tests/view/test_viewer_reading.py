@@ -30,10 +30,18 @@ def _write(tmp_path: Path) -> Path:
         text = (LONG_CALL if malformed else "") + f" <answer>\\boxed{{{i}}}</answer><|im_end|>"
         calls = [ToolCallRecord(turn=0, status="malformed", code=LONG_JSON)] if malformed else []
         traj = Trajectory(
-            problem_id=f"syn-950e5c{i}", prompt_ids=[0] * 8, response_ids=[1] * 20, loss_mask=[1] * 20,
-            response_text=text, turns=1, tool_calls=calls, answer_blocks=1, finish_reason="answered",
-            reward=float(i % 2), sample_index=0,
-        )  # fmt: skip
+            problem_id=f"syn-950e5c{i}",
+            prompt_ids=[0] * 8,
+            response_ids=[1] * 20,
+            loss_mask=[1] * 20,
+            response_text=text,
+            turns=1,
+            tool_calls=calls,
+            answer_blocks=1,
+            finish_reason="answered",
+            reward=float(i % 2),
+            sample_index=0,
+        )
         rows.append(
             {"problem": f"What is {i} + {i}? A long problem statement.", "reference": "1", **compact(traj)}
         )
@@ -75,9 +83,21 @@ def test_serving_on_a_port_in_use_is_one_error_line(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "tirl.cli", "view", str(page.with_suffix(".jsonl")), "--serve", "--port", str(port)],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": SRC},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tirl.cli",
+                "view",
+                str(page.with_suffix(".jsonl")),
+                "--serve",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": SRC},
+        )
     assert done.returncode == 2
     assert (
         done.stderr.strip()

@@ -89,9 +89,16 @@ async def run_trajectory(
 
 
 async def _turns(
-    engine: Engine, tokenizer, tools: dict[str, Tool], schemas, traj: Trajectory, cfg: AgentConfig,
-    special, seed, emit,
-) -> None:  # fmt: skip
+    engine: Engine,
+    tokenizer,
+    tools: dict[str, Tool],
+    schemas,
+    traj: Trajectory,
+    cfg: AgentConfig,
+    special,
+    seed,
+    emit,
+) -> None:
     for turn in range(cfg.max_turns):
         # >= 1: a turn that fills the budget, or a tool response that would, ends the trajectory below
         left = cfg.max_response_tokens - len(traj.response_ids)

@@ -106,8 +106,13 @@ def plot_entropy(
         ax.plot(
             range(len(ys)), ys, ".-", color=f"C{n}", markersize=3, linewidth=0.8, label=f"entropy ({name})"
         )
-        ax.axhline(results[name].threshold, color=f"C{n}", linestyle="--", linewidth=1,
-                   label=f"top {results[name].top:.0%} threshold ({name})")  # fmt: skip
+        ax.axhline(
+            results[name].threshold,
+            color=f"C{n}",
+            linestyle="--",
+            linewidth=1,
+            label=f"top {results[name].top:.0%} threshold ({name})",
+        )
     ax.set(xlabel="response token", ylabel="entropy (nats)", title="Token entropy along a trajectory")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")

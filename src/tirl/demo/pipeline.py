@@ -411,8 +411,12 @@ def _training_numbers(metrics: list[dict], window: int = 5) -> dict:
         return round(sum(vals) / len(vals), 4) if vals else None
 
     first, last = metrics[:window], metrics[-window:]
-    keys = {"reward": "reward/mean", "error_ratio_in_correct": "tools/error_ratio_in_correct",
-            "response_length": "response/length_mean", "tool_calls": "tools/calls_per_traj"}  # fmt: skip
+    keys = {
+        "reward": "reward/mean",
+        "error_ratio_in_correct": "tools/error_ratio_in_correct",
+        "response_length": "response/length_mean",
+        "tool_calls": "tools/calls_per_traj",
+    }
     return {
         f"{name}_{where}": mean(rows, key)
         for name, key in keys.items()

@@ -69,9 +69,15 @@ async def _answer(runtime: Runtime, problem: Problem, cfg: AgentConfig, console:
             console.print(Panel(Text(payload["text"]), title=title, border_style=style, title_align="left"))
 
     traj = await run_trajectory(
-        runtime.pool, runtime.tokenizer, runtime.executor, problem, cfg,
-        group=problem.id, seed=seed, on_event=on_event,
-    )  # fmt: skip
+        runtime.pool,
+        runtime.tokenizer,
+        runtime.executor,
+        problem,
+        cfg,
+        group=problem.id,
+        seed=seed,
+        on_event=on_event,
+    )
     answer = extract_answer(traj.response_text)
     summary = f"answer: {answer if answer is not None else '(none)'}   finish: {traj.finish_reason}"
     summary += f"   turns: {traj.turns}   tool calls: {traj.num_tool_calls}   tokens: {traj.response_length}"

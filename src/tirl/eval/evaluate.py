@@ -109,10 +109,15 @@ class _RunningAccuracy:
         self.total, self.lines = total, enabled and not Console(stderr=True).is_terminal
         self.started = time.perf_counter()
         self.progress = Progress(
-            TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("pass@1 {task.fields[accuracy]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-            disable=not enabled or self.lines, console=Console(stderr=True),
-        )  # fmt: skip
+            TextColumn("[bold]eval"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("pass@1 {task.fields[accuracy]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            disable=not enabled or self.lines,
+            console=Console(stderr=True),
+        )
         self.task = self.progress.add_task("eval", total=total, accuracy="-")
 
     def __enter__(self) -> _RunningAccuracy:
@@ -129,6 +134,7 @@ class _RunningAccuracy:
             print(
                 f"eval: {self.done}/{self.total} trajectories, pass@1 so far {100 * self.correct / self.done:.1f}%, "
                 f"{time.perf_counter() - self.started:.0f} s",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+                file=sys.stderr,
+                flush=True,
+            )
         self.progress.update(self.task, advance=1, accuracy=f"{100 * self.correct / self.done:.1f}%")

@@ -40,14 +40,35 @@ class EvalReport:
         ms = list(self.metrics.values())
         k = max((m.samples for m in ms), default=0)
         ks = sorted({kk for m in ms for kk in m.pass_at if kk > 1})
-        head = ["benchmark", "problems", f"avg@{k} pass@1", *(f"pass@{kk}" for kk in ks), f"maj@{k}",
-                "response tokens", "generated tokens", "turns", "tool calls", "tool error rate", "no answer"]  # fmt: skip
+        head = [
+            "benchmark",
+            "problems",
+            f"avg@{k} pass@1",
+            *(f"pass@{kk}" for kk in ks),
+            f"maj@{k}",
+            "response tokens",
+            "generated tokens",
+            "turns",
+            "tool calls",
+            "tool error rate",
+            "no answer",
+        ]
         rows = [
-            [m.name, str(m.problems), _pct(m.pass1), *(_pct(m.pass_at[kk]) if kk in m.pass_at else "-" for kk in ks),
-             _pct(m.maj), f"{m.mean_response_tokens:.0f}", f"{m.mean_generated_tokens:.0f}", f"{m.mean_turns:.2f}",
-             f"{m.tool_calls_per_trajectory:.2f}", _pct(m.tool_error_rate), _pct(m.no_answer_rate)]
+            [
+                m.name,
+                str(m.problems),
+                _pct(m.pass1),
+                *(_pct(m.pass_at[kk]) if kk in m.pass_at else "-" for kk in ks),
+                _pct(m.maj),
+                f"{m.mean_response_tokens:.0f}",
+                f"{m.mean_generated_tokens:.0f}",
+                f"{m.mean_turns:.2f}",
+                f"{m.tool_calls_per_trajectory:.2f}",
+                _pct(m.tool_error_rate),
+                _pct(m.no_answer_rate),
+            ]
             for m in ms
-        ]  # fmt: skip
+        ]
         lines = ["# Evaluation report", "", _table(head, rows), "", "## Finish reasons", ""]
         reasons = sorted({r for m in ms for r in m.finish_reasons})
         lines.append(

@@ -184,9 +184,15 @@ class GroupProducer:
     async def _one(self, pool: VersionedPool, problem: Problem, draw: Draw, j: int, seed: int) -> Trajectory:
         async with self._gate:
             traj = await run_trajectory(
-                pool, self.rt.tokenizer, self.rt.executor, problem, self.agent,
-                group=f"{problem.id}#{draw.index}", sample_index=j, seed=seed,
-            )  # fmt: skip
+                pool,
+                self.rt.tokenizer,
+                self.rt.executor,
+                problem,
+                self.agent,
+                group=f"{problem.id}#{draw.index}",
+                sample_index=j,
+                seed=seed,
+            )
         if self.on_trajectory is not None:
             self.on_trajectory(traj)
         traj.reward = await score_trajectory(self.rt.scorer, traj, problem.answer)

@@ -39,9 +39,11 @@ def rollout_metrics(groups: Sequence[Sequence], kept: Sequence[Sequence[int]], n
     every = [t for g in groups for t in g]
     kept_t = [g[i] for g, k in zip(groups, kept, strict=True) for i in k]
     dropped = [
-        t for g, k in zip(groups, kept, strict=True) for i, t in enumerate(g)
+        t
+        for g, k in zip(groups, kept, strict=True)
+        for i, t in enumerate(g)
         if i not in set(k) and not t.failed
-    ]  # fmt: skip
+    ]
     correct = [t for t in every if is_positive(t)]
     calls = [c for t in every for c in t.tool_calls]
     wait = sum(t.tool_wait_seconds for t in every)

@@ -45,9 +45,13 @@ class TrainerWorker:
         from tirl.rl.policy import Policy
 
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
-        )  # fmt: skip
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=master[0],
+            MASTER_PORT=str(master[1]),
+        )
         info = init_distributed(optim.device)
         self.learner = LocalLearner(Policy(model_path, optim, info, total_steps))
 

@@ -93,10 +93,14 @@ def roc_select(group: list, alg: AlgorithmConfig, seed: int) -> list[int]:
     the policy: it is never a candidate (but still counted by the metrics)."""
     candidates = [i for i, t in enumerate(group) if not t.failed]
     chosen = resample_on_correct(
-        [group[i] for i in candidates], alg.group_size, np.random.default_rng(seed), mode=alg.roc,
-        min_per_class=alg.roc_min_per_class, drop_uniform=alg.drop_uniform_groups,
+        [group[i] for i in candidates],
+        alg.group_size,
+        np.random.default_rng(seed),
+        mode=alg.roc,
+        min_per_class=alg.roc_min_per_class,
+        drop_uniform=alg.drop_uniform_groups,
         no_tool_p_err=alg.no_tool_p_err,
-    )  # fmt: skip
+    )
     return [candidates[j] for j in chosen]
 
 
@@ -198,10 +202,20 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
         samples = build_samples(groups, kept, alg.advantage)
         metrics |= rollout_metrics(groups, kept, alg.no_tool_p_err)  # on ALL trajectories
         if cfg.logging.trajectories_per_step:  # a bounded sample, with RoC's view of it, for `tirl view`
-            trajectory_sample.append(cfg.run_dir, trajectory_sample.step_sample(
-                step + 1, run.state.stage, batch.problems, groups, kept, cfg.logging.trajectories_per_step,
-                cfg.seed, alg.advantage, alg.no_tool_p_err,
-            ))  # fmt: skip
+            trajectory_sample.append(
+                cfg.run_dir,
+                trajectory_sample.step_sample(
+                    step + 1,
+                    run.state.stage,
+                    batch.problems,
+                    groups,
+                    kept,
+                    cfg.logging.trajectories_per_step,
+                    cfg.seed,
+                    alg.advantage,
+                    alg.no_tool_p_err,
+                ),
+            )
     # 6. update: every rank trains on its share of the kept samples
     samples = broadcast_object(samples, info)
     # Colocated (engines sharing the trainer's devices; async ones keep generating): engines sleep all
@@ -380,14 +394,24 @@ def _open_producer(
     """The stage's group stream (rank 0), resumed from a checkpoint's pending draws if there is one."""
     cfg, alg, st = run.cfg, run.cfg.algorithm, run.state
     return GroupProducer(
-        run.runtime, run.versions, problems, sampler, stage_agent_config(cfg, stage),
+        run.runtime,
+        run.versions,
+        problems,
+        sampler,
+        stage_agent_config(cfg, stage),
         lambda group, seed: roc_select(group, alg, seed),
-        prompts_per_step=alg.prompts_per_step, rollouts_per_prompt=alg.rollouts_per_prompt,
-        max_staleness=alg.staleness_bound, seed=cfg.seed, first_step=st.step - st.stage_step,
-        steps=stage.steps, steps_done=st.stage_step, concurrency=cfg.rollout_concurrency,
-        exact=alg.exact_staleness, on_trajectory=lambda _: fault_point("rollout", st.step + 1),
+        prompts_per_step=alg.prompts_per_step,
+        rollouts_per_prompt=alg.rollouts_per_prompt,
+        max_staleness=alg.staleness_bound,
+        seed=cfg.seed,
+        first_step=st.step - st.stage_step,
+        steps=stage.steps,
+        steps_done=st.stage_step,
+        concurrency=cfg.rollout_concurrency,
+        exact=alg.exact_staleness,
+        on_trajectory=lambda _: fault_point("rollout", st.step + 1),
         state=saved.get("producer") if saved else None,
-    )  # fmt: skip
+    )
 
 
 def _alert_monitor(cfg: TrainConfig) -> AlertMonitor:

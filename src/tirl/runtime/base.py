@@ -120,9 +120,16 @@ async def generate(
     from tirl.agent.loop import rollout
 
     return await rollout(
-        rt.pool, rt.tokenizer, rt.executor, problems, n, agent_cfg,
-        seed=seed, concurrency=concurrency, on_done=on_done,
-    )  # fmt: skip
+        rt.pool,
+        rt.tokenizer,
+        rt.executor,
+        problems,
+        n,
+        agent_cfg,
+        seed=seed,
+        concurrency=concurrency,
+        on_done=on_done,
+    )
 
 
 async def score_trajectory(scorer: Scorer, trajectory: Trajectory, reference: str) -> float:

@@ -78,9 +78,12 @@ def check_resources(ray, what: str, bundle: dict[str, float], count: int) -> Non
             raise ClusterError(
                 f"cluster.{what} asks for {amount:g} {key!r} per actor, but no node of the Ray cluster has "
                 f"that much (largest: {max(have, default=0.0):g}, over {len(nodes)} nodes): lower it or add "
-                + (f"nodes with `ray start --num-{key.lower()}s N`" if key in ("CPU", "GPU")
-                   else f"nodes with `ray start --resources '{{\"{key}\": N}}'`")
-            )  # fmt: skip
+                + (
+                    f"nodes with `ray start --num-{key.lower()}s N`"
+                    if key in ("CPU", "GPU")
+                    else f"nodes with `ray start --resources '{{\"{key}\": N}}'`"
+                )
+            )
         if sum(have) < amount * count:
             raise ClusterError(
                 f"cluster.{what}: {count} actors x {amount:g} {key!r} = {amount * count:g}, but the Ray "

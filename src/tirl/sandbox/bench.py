@@ -180,8 +180,10 @@ async def run_bench(
             before = (await service_health(url, client.token))["service_rss_mb"]
             m = await measure(client.run, WORKLOADS["trivial print"], rss_calls, max(levels))
             after = (await service_health(url, client.token))["service_rss_mb"]
-            rss = (f"\nService RSS: {before:.1f} MiB before, {after:.1f} MiB after {rss_calls} more calls "
-                   f"({m.rate:.0f} calls/s, {m.failures} failed).")  # fmt: skip
+            rss = (
+                f"\nService RSS: {before:.1f} MiB before, {after:.1f} MiB after {rss_calls} more calls "
+                f"({m.rate:.0f} calls/s, {m.failures} failed)."
+            )
     return table(rows) + "\n\nCPU per call, by part (ms):\n" + cpu_table(split) + rss
 
 

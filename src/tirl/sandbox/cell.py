@@ -162,8 +162,12 @@ def execute(code: str, namespace: dict, keep: bool = False) -> tuple[int, dict]:
         with contextlib.suppress(OSError, ValueError):
             print("".join(te.format()), end="", file=sys.stderr)
         _flush()
-        return 1, {"outcome": "error", "error": _describe(exc), "type": type(exc).__name__,
-                   "network": _network_blocked(exc)}  # fmt: skip
+        return 1, {
+            "outcome": "error",
+            "error": _describe(exc),
+            "type": type(exc).__name__,
+            "network": _network_blocked(exc),
+        }
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -141,8 +141,14 @@ class SlotCgroup:
         return None
 
     def to_dict(self) -> dict:
-        return {"memory_dir": self.memory_dir, "pids_dir": self.pids_dir, "cpu_dir": self.cpu_dir,
-                "cpuacct_dir": self.cpuacct_dir, "v2": self.v2, "freezer_dir": self.freezer_dir}  # fmt: skip
+        return {
+            "memory_dir": self.memory_dir,
+            "pids_dir": self.pids_dir,
+            "cpu_dir": self.cpu_dir,
+            "cpuacct_dir": self.cpuacct_dir,
+            "v2": self.v2,
+            "freezer_dir": self.freezer_dir,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> SlotCgroup:

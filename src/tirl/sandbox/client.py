@@ -80,7 +80,9 @@ class SandboxClient:
         self.default_timeout, self.default_limits = timeout, limits
         self.token = token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(headers=headers, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))  # fmt: skip
+        self._http = httpx.AsyncClient(
+            headers=headers, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        )
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._capacity = asyncio.Condition()
         self._batcher: asyncio.Task | None = None
@@ -217,13 +219,22 @@ class SandboxClient:
             elif resp.status_code in (429, 502, 503, 504) or resp.status_code >= 500:
                 raise _Infra(Status.SANDBOX_ERROR, f"{ep.url} answered HTTP {resp.status_code}")
             else:  # the request itself was refused: retrying will not help
-                results = [ExecResult(Status.SANDBOX_ERROR, message=f"request refused by {ep.url}: HTTP {resp.status_code} {resp.text[:300]}")] * len(chunk)  # fmt: skip
+                results = [
+                    ExecResult(
+                        Status.SANDBOX_ERROR,
+                        message=f"request refused by {ep.url}: HTTP {resp.status_code} {resp.text[:300]}",
+                    )
+                ] * len(chunk)
                 for p in chunk:
                     p.attempts = self.retries
         except (httpx.HTTPError, ValueError, KeyError, _Infra) as exc:
             ep.failures += 1
             ep.down_until = time.monotonic() + self.cooldown_s * min(ep.failures, 8)
-            status, message = (exc.status, exc.message) if isinstance(exc, _Infra) else (Status.SANDBOX_ERROR, f"{ep.url}: {exc!r}")  # fmt: skip
+            status, message = (
+                (exc.status, exc.message)
+                if isinstance(exc, _Infra)
+                else (Status.SANDBOX_ERROR, f"{ep.url}: {exc!r}")
+            )
             results = [ExecResult(status, message=message)] * len(chunk)
         finally:
             ep.inflight -= len(chunk)
@@ -275,8 +286,11 @@ class RemoteSession:
         except httpx.HTTPError as exc:
             return ExecResult(Status.SANDBOX_ERROR, message=f"{self.url}: {exc!r}")
         if resp.status_code == 404:  # closed, expired or its server restarted: the state is gone
-            return ExecResult(Status.RUNTIME_ERROR, message=resp.json().get("error", "session gone"),
-                              extra={"session_lost": True})  # fmt: skip
+            return ExecResult(
+                Status.RUNTIME_ERROR,
+                message=resp.json().get("error", "session gone"),
+                extra={"session_lost": True},
+            )
         if resp.status_code not in (200, 429):
             return ExecResult(
                 Status.SANDBOX_ERROR,

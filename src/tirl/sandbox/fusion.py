@@ -27,14 +27,29 @@ class RunCodeRequest(BaseModel):
 def to_fusion(r: ExecResult) -> dict:
     """Map an ExecResult onto SandboxFusion's RunCodeResponse."""
     if r.is_infra_error:
-        return {"status": "SandboxError", "message": r.message or str(r.status), "compile_result": None,
-                "run_result": None, "executor_pod_name": None, "files": {}}  # fmt: skip
+        return {
+            "status": "SandboxError",
+            "message": r.message or str(r.status),
+            "compile_result": None,
+            "run_result": None,
+            "executor_pod_name": None,
+            "files": {},
+        }
     code = r.exit_code if r.exit_code is not None else -(r.signal or 9)
     run = {
         "status": "TimeLimitExceeded" if r.status == Status.TIMEOUT else "Finished",
-        "execution_time": r.wall_ms / 1000, "return_code": code, "stdout": r.stdout,
-        "stderr": r.stderr if r.status in (Status.OK, Status.RUNTIME_ERROR, Status.SYNTAX_ERROR) or not r.message
+        "execution_time": r.wall_ms / 1000,
+        "return_code": code,
+        "stdout": r.stdout,
+        "stderr": r.stderr
+        if r.status in (Status.OK, Status.RUNTIME_ERROR, Status.SYNTAX_ERROR) or not r.message
         else (r.stderr + ("\n" if r.stderr and not r.stderr.endswith("\n") else "") + r.message),
-    }  # fmt: skip
-    return {"status": "Success" if r.ok else "Failed", "message": r.message, "compile_result": None,
-            "run_result": run, "executor_pod_name": None, "files": {}}  # fmt: skip
+    }
+    return {
+        "status": "Success" if r.ok else "Failed",
+        "message": r.message,
+        "compile_result": None,
+        "run_result": run,
+        "executor_pod_name": None,
+        "files": {},
+    }

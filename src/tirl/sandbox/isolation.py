@@ -110,14 +110,25 @@ def _enter_userns() -> None:
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
-DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
-             "/dev/stderr": "/proc/self/fd/2"}  # fmt: skip
+DEV_LINKS = {
+    "/dev/fd": "/proc/self/fd",
+    "/dev/stdin": "/proc/self/fd/0",
+    "/dev/stdout": "/proc/self/fd/1",
+    "/dev/stderr": "/proc/self/fd/2",
+}
 EMPTY_DIRS = ("/proc", WORKDIR, "/dev/shm", "/etc", "/var/tmp")
 PASSWD = "root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:/tmp:/usr/sbin/nologin\n"
 GROUP = "root:x:0:\nsandbox:x:{uid}:\n"
 NEW_ROOT = WORKDIR  # where the new root is assembled before pivot_root (inside our private mount namespace)
-_ST_TO_MS = {1: linux.MS_RDONLY, 2: linux.MS_NOSUID, 4: linux.MS_NODEV, 8: linux.MS_NOEXEC,
-             1024: 1 << 10, 2048: 1 << 11, 4096: 1 << 21}  # fmt: skip
+_ST_TO_MS = {
+    1: linux.MS_RDONLY,
+    2: linux.MS_NOSUID,
+    4: linux.MS_NODEV,
+    8: linux.MS_NOEXEC,
+    1024: 1 << 10,
+    2048: 1 << 11,
+    4096: 1 << 21,
+}
 
 
 def _within(path: str, top: str) -> bool:

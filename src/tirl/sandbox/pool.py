@@ -171,9 +171,11 @@ class Sandbox:
         self._pool_index = _claim_pool_index() if uid_base is None else None
         self.uid_base = uid_base if uid_base is not None else _uid_base(self._pool_index)
         common = {
-            "max_calls": max_calls, "max_growth_mb": max_growth_mb, "workdir_mb": self.limits.file_size_mb,
+            "max_calls": max_calls,
+            "max_growth_mb": max_growth_mb,
+            "workdir_mb": self.limits.file_size_mb,
             **({"warmup": warmup} if warmup is not None else {}),
-        }  # fmt: skip
+        }
         preload = list(zygote.PRELOAD) if preload is None else preload
         light_preload = [m for m in preload if m.split(".")[0] in sys.stdlib_module_names]
         self._heavy_config = {**common, "preload": preload}
@@ -184,8 +186,10 @@ class Sandbox:
                 f"max_sessions={max_sessions} is too many: at most {SESSION_UIDS} (one uid each)"
             )
         if self._lanes() + 1 > LANE_UIDS:  # + the pool's session zygote
-            raise ValueError(f"slots={self.slots} is too many: a pool runs at most {LANE_UIDS} zygotes, "
-                             f"one uid each (two per slot unless the preload is stdlib-only); use fewer slots")  # fmt: skip
+            raise ValueError(
+                f"slots={self.slots} is too many: a pool runs at most {LANE_UIDS} zygotes, "
+                f"one uid each (two per slot unless the preload is stdlib-only); use fewer slots"
+            )
         self._slots: list[_Slot] = []
         self._idle: asyncio.Queue[_Slot] = asyncio.Queue()
         self._waiting = 0
@@ -243,13 +247,13 @@ class Sandbox:
                 "not root: no per-slot uid (code runs as the service's uid inside a user namespace)",
                 "not root: no cgroup limits (memory is bounded by RLIMIT_AS only, processes by RLIMIT_NPROC per slot)",
                 "not root: each slot has its own empty network namespace instead of one shared",
-            ]  # fmt: skip
+            ]
         else:
             self._mode = "none"
             self._missing += [
                 "not root and user namespaces are disabled: NO namespaces, NO network isolation, NO read-only "
                 "filesystem, NO uid drop; only rlimits, seccomp and no_new_privs protect the host",
-            ]  # fmt: skip
+            ]
         if not self.seccomp:
             self._missing.append("seccomp disabled by configuration")
         elif problem := seccomp_filter.available():
@@ -296,9 +300,15 @@ class Sandbox:
         pass_fds = (slot.plan.netns_fd,) if slot.plan.netns_fd is not None else ()  # kept open for respawns
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tirl.sandbox.zygote", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, env=_zygote_env(), pass_fds=(*pass_fds, handoff_fd), cwd="/",
-            )  # fmt: skip
+                sys.executable,
+                "-m",
+                "tirl.sandbox.zygote",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=_zygote_env(),
+                pass_fds=(*pass_fds, handoff_fd),
+                cwd="/",
+            )
         finally:
             theirs.close()
         slot.proc, slot.calls = proc, 0
@@ -733,11 +743,21 @@ class Sandbox:
         alive = sum(1 for s in self._slots if all(_alive(lane) for lane in s.lanes()))
         zygotes = [lane.proc.pid for s in self._slots for lane in s.lanes() if _alive(lane)]
         return {
-            "service_pid": os.getpid(), "service_rss_mb": round(_rss_mb(os.getpid()), 1),
+            "service_pid": os.getpid(),
+            "service_rss_mb": round(_rss_mb(os.getpid()), 1),
             "zygote_rss_mb": [round(_rss_mb(pid), 1) for pid in zygotes],
-            "slots": self.slots, "alive": alive, "idle": self._idle.qsize(), "busy": self._busy,
-            "queued": self._waiting, "max_queue": self.max_queue, "features": self.features(),
-            "sessions": len(self._sessions), "sessions_held": self._sessions_held, "max_sessions": self.max_sessions,
-            "memory_reserved_mb": self._memory_reserved_mb, "memory_budget_mb": self.memory_budget_mb,
-            "limits": self.limits.model_dump(), "maxima": self.maxima.model_dump(),
-        }  # fmt: skip
+            "slots": self.slots,
+            "alive": alive,
+            "idle": self._idle.qsize(),
+            "busy": self._busy,
+            "queued": self._waiting,
+            "max_queue": self.max_queue,
+            "features": self.features(),
+            "sessions": len(self._sessions),
+            "sessions_held": self._sessions_held,
+            "max_sessions": self.max_sessions,
+            "memory_reserved_mb": self._memory_reserved_mb,
+            "memory_budget_mb": self.memory_budget_mb,
+            "limits": self.limits.model_dump(),
+            "maxima": self.maxima.model_dump(),
+        }

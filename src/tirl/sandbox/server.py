@@ -166,10 +166,11 @@ class Guard:
     def _over_budget(self, size: int) -> JSONResponse | None:
         if size and self.inflight + size > self.max_inflight_bytes:
             return _json_error(
-                429, f"request bodies in flight: {self.inflight >> 20} MiB held, {size >> 20} MiB more exceed "
+                429,
+                f"request bodies in flight: {self.inflight >> 20} MiB held, {size >> 20} MiB more exceed "
                 f"the budget of {self.max_inflight_bytes >> 20} MiB: retry later",
                 {"Retry-After": "1"},
-            )  # fmt: skip
+            )
         return None
 
     async def _forward(self, body: bytes, scope: dict, receive: Any, send: Any) -> None:
@@ -190,9 +191,10 @@ class Guard:
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if name not in self.allowed_hosts:
                 return _json_error(
-                    421, f"Host {host!r} is not this service: without a token only {sorted(self.allowed_hosts)} "
+                    421,
+                    f"Host {host!r} is not this service: without a token only {sorted(self.allowed_hosts)} "
                     "are accepted (start the service with a token, or add the name with --allow-host)",
-                )  # fmt: skip
+                )
         if self.token is not None and scope.get("path") not in PUBLIC_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
@@ -202,9 +204,10 @@ class Guard:
         media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if self.token is None and scope.get("method") == "POST" and media != b"application/json":
             return _json_error(
-                415, "without a token, POST bodies must be sent as Content-Type: application/json "
+                415,
+                "without a token, POST bodies must be sent as Content-Type: application/json "
                 "(a web page can make a browser send any other type here without asking)",
-            )  # fmt: skip
+            )
         return None
 
     async def _read(self, receive: Any) -> bytes:
@@ -276,9 +279,10 @@ def _check_fits(sandbox: Sandbox, calls: list[RunRequest]) -> None:
         response += 4 * limits.keep_bytes
     if response > MAX_RESPONSE_BYTES:
         raise HTTPException(
-            413, f"the batch's results could reach {response >> 20} MiB (4 x keep_bytes per call): "
+            413,
+            f"the batch's results could reach {response >> 20} MiB (4 x keep_bytes per call): "
             f"send smaller batches or a smaller keep_bytes (at most {MAX_RESPONSE_BYTES >> 20} MiB per batch)",
-        )  # fmt: skip
+        )
 
 
 def _admit(sandbox: Sandbox) -> None:
@@ -415,9 +419,12 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.add_middleware(
-        Guard, token=token, max_bytes=max_body_bytes, allowed_hosts=LOOPBACK_HOSTS | set(allowed_hosts),
+        Guard,
+        token=token,
+        max_bytes=max_body_bytes,
+        allowed_hosts=LOOPBACK_HOSTS | set(allowed_hosts),
         max_inflight_bytes=max_inflight_bytes,
-    )  # fmt: skip
+    )
     return app
 
 
@@ -476,9 +483,14 @@ def serve(
     app = create_app(sandbox, token=token, allowed_hosts=hosts)
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
         http=_protocol(http),
-    )  # fmt: skip
+    )
     server = uvicorn.Server(config)
 
     async def main() -> None:

@@ -53,20 +53,51 @@ class SandboxConfig(BaseModel):
     start_timeout_s: float = Field(180.0, gt=0, description="mode=local: wait this long for /health")
 
     def limits(self) -> Limits:
-        return Limits(timeout_s=self.timeout_s, memory_mb=self.memory_mb, output_bytes=self.output_bytes,
-                      keep_bytes=self.keep_bytes, max_procs=self.max_procs)  # fmt: skip
+        return Limits(
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            output_bytes=self.output_bytes,
+            keep_bytes=self.keep_bytes,
+            max_procs=self.max_procs,
+        )
 
     def client(self, endpoints: list[str], token: str | None) -> SandboxClient:
-        return SandboxClient(endpoints, token=token, concurrency=self.concurrency, batch_size=self.batch_size,
-                             max_wait_ms=self.max_wait_ms, retries=self.retries, timeout=self.timeout_s)  # fmt: skip
+        return SandboxClient(
+            endpoints,
+            token=token,
+            concurrency=self.concurrency,
+            batch_size=self.batch_size,
+            max_wait_ms=self.max_wait_ms,
+            retries=self.retries,
+            timeout=self.timeout_s,
+        )
 
 
 def serve_command(cfg: SandboxConfig, host: str, port: int) -> list[str]:
     """The `tirl sandbox serve` command line for cfg's limits (the token goes in $TIRL_SANDBOX_TOKEN)."""
-    argv = [sys.executable, "-m", "tirl.cli", "sandbox", "serve", "--host", host, "--port", str(port),
-            "--timeout", str(cfg.timeout_s), "--memory-mb", str(cfg.memory_mb), "--output-bytes", str(cfg.output_bytes),
-            "--keep-bytes", str(cfg.keep_bytes), "--max-procs", str(cfg.max_procs),
-            "--queue-timeout", str(cfg.queue_timeout_s)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "tirl.cli",
+        "sandbox",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--timeout",
+        str(cfg.timeout_s),
+        "--memory-mb",
+        str(cfg.memory_mb),
+        "--output-bytes",
+        str(cfg.output_bytes),
+        "--keep-bytes",
+        str(cfg.keep_bytes),
+        "--max-procs",
+        str(cfg.max_procs),
+        "--queue-timeout",
+        str(cfg.queue_timeout_s),
+    ]
     if cfg.slots:
         argv += ["--slots", str(cfg.slots)]
     return argv

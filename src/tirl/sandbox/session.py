@@ -149,10 +149,20 @@ class Session:
     ) -> ExecResult:
         from tirl.sandbox.zygote import _OUTCOMES, _last_report  # the one reading of runner reports
 
-        r = ExecResult(Status.OK, stdout=call.stdout.text(), stderr=call.stderr.text(), wall_ms=round(wall_ms, 2),
-                       stdout_truncated_bytes=call.stdout.dropped, stderr_truncated_bytes=call.stderr.dropped)  # fmt: skip
-        r.extra.update(stdout_bytes=call.stdout.total, stderr_bytes=call.stderr.total, keep_bytes=self.limits.keep_bytes,
-                       session=self.id)  # fmt: skip
+        r = ExecResult(
+            Status.OK,
+            stdout=call.stdout.text(),
+            stderr=call.stderr.text(),
+            wall_ms=round(wall_ms, 2),
+            stdout_truncated_bytes=call.stdout.dropped,
+            stderr_truncated_bytes=call.stderr.dropped,
+        )
+        r.extra.update(
+            stdout_bytes=call.stdout.total,
+            stderr_bytes=call.stderr.total,
+            keep_bytes=self.limits.keep_bytes,
+            session=self.id,
+        )
         raw = bytes(call.result.head + call.result.tail)
         if first:
             raw = raw.removeprefix(forkserver.STARTED) if raw.startswith(forkserver.STARTED) else b""

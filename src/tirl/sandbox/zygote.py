@@ -128,11 +128,19 @@ def _classify(got: capture.Collected, watch: Watch, limits: Limits) -> ExecResul
     result pipe or exited with is the program's own doing.
     """
     r = ExecResult(
-        status=Status.OK, stdout=got.stdout.text(), stderr=got.stderr.text(), wall_ms=round(watch.wall_ms, 2),
-        stdout_truncated_bytes=got.stdout.dropped, stderr_truncated_bytes=got.stderr.dropped,
-    )  # fmt: skip
-    r.extra.update(output_bytes=got.stdout.total + got.stderr.total, stdout_bytes=got.stdout.total,
-                   stderr_bytes=got.stderr.total, keep_bytes=limits.keep_bytes)  # fmt: skip
+        status=Status.OK,
+        stdout=got.stdout.text(),
+        stderr=got.stderr.text(),
+        wall_ms=round(watch.wall_ms, 2),
+        stdout_truncated_bytes=got.stdout.dropped,
+        stderr_truncated_bytes=got.stderr.dropped,
+    )
+    r.extra.update(
+        output_bytes=got.stdout.total + got.stderr.total,
+        stdout_bytes=got.stdout.total,
+        stderr_bytes=got.stderr.total,
+        keep_bytes=limits.keep_bytes,
+    )
     started = got.result.startswith(forkserver.STARTED)
     status = watch.status
     memory = f"memory limit is {human_bytes(limits.memory_mb * MiB)}"
@@ -151,8 +159,10 @@ def _classify(got: capture.Collected, watch: Watch, limits: Limits) -> ExecResul
         r.status, r.message = Status.TIMEOUT, f"Timed out after {limits.timeout_s:.1f} s"
         if _starved(watch):
             r.status = Status.STARVED
-            r.message = (f"starved: the call got {watch.slot_cpu_ms:.0f} ms of CPU in {watch.wall_ms:.0f} ms "
-                         f"(waited {watch.run_wait_ms:.0f} ms to run); the machine is overloaded")  # fmt: skip
+            r.message = (
+                f"starved: the call got {watch.slot_cpu_ms:.0f} ms of CPU in {watch.wall_ms:.0f} ms "
+                f"(waited {watch.run_wait_ms:.0f} ms to run); the machine is overloaded"
+            )
     elif got.killed == "output":
         r.status = Status.OUTPUT_LIMIT
         r.message = f"output limit exceeded: killed after {human_bytes(r.extra['output_bytes'])} (cap {human_bytes(limits.output_bytes)})"
@@ -228,10 +238,16 @@ def serve_call(
     request, child.request = child.request, -1  # collect() writes it and closes it
     try:
         got = capture.collect(
-            child.pidfd, child.stdout, child.stderr, child.result, start + limits.timeout_s, limits.keep_bytes,
-            limits.output_bytes, before_kill=lambda: run_wait.__setitem__(0, _run_wait_ms(child.pid) if watch_wait else None),
+            child.pidfd,
+            child.stdout,
+            child.stderr,
+            child.result,
+            start + limits.timeout_s,
+            limits.keep_bytes,
+            limits.output_bytes,
+            before_kill=lambda: run_wait.__setitem__(0, _run_wait_ms(child.pid) if watch_wait else None),
             send=(request, framing.encode(header) + stdin),
-        )  # fmt: skip
+        )
     finally:
         child.close()
         server.send(forkserver.NEXT)  # reap it (and prepare the next child while we classify)

@@ -60,16 +60,22 @@ def load_source(path: str | Path) -> Source:
     if (path / "metrics.jsonl").exists():  # a training run
         config = _read_yaml(path / "config.yaml")
         return Source(
-            "train", path, _read_jsonl(trajectories) if trajectories.exists() else [],
-            curves=_read_jsonl(path / "metrics.jsonl"), agent=config.get("agent", {}),
-        )  # fmt: skip
+            "train",
+            path,
+            _read_jsonl(trajectories) if trajectories.exists() else [],
+            curves=_read_jsonl(path / "metrics.jsonl"),
+            agent=config.get("agent", {}),
+        )
     if not trajectories.exists():
         raise ViewError(f"{path} holds neither {TRAJECTORIES} nor metrics.jsonl ({_WHAT})")
     metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").exists() else {}
     return Source(
-        "eval", path, _read_jsonl(trajectories), summary=metrics.get("benchmarks", {}),
+        "eval",
+        path,
+        _read_jsonl(trajectories),
+        summary=metrics.get("benchmarks", {}),
         agent=metrics.get("config", {}).get("agent", {}),
-    )  # fmt: skip
+    )
 
 
 _WHAT = "give an eval output directory, a training run directory or a trajectories.jsonl"
