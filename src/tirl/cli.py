@@ -374,9 +374,21 @@ def train(
     from tirl.rl.trainer import run_training
 
     quiet_libraries(verbose)
-    _run_from_config(
-        "train", TrainConfig, run_training, config, ctx.args, resume, progress, check=preflight_train
-    )
+
+    def check(cfg, resume: bool) -> list[str]:
+        return [*preflight_train(cfg, resume), *_memory_preflight(cfg, config, ctx.args, "train")]
+
+    _run_from_config("train", TrainConfig, run_training, config, ctx.args, resume, progress, check=check)
+
+
+def _memory_preflight(cfg, config: str, overrides: list[str], kind: str) -> list[str]:
+    """On a CUDA machine, `tirl plan` for this config before any GPU work (rank 0 only: torchrun stops
+    the other ranks when it fails)."""
+    if os.environ.get("RANK", "0") != "0":
+        return []
+    from tirl.rl.plan import memory_preflight
+
+    return memory_preflight(cfg, config, overrides, kind)
 
 
 def _run_from_config(
@@ -439,7 +451,11 @@ def sft(
     from tirl.rl.sft import run_sft
 
     quiet_libraries(verbose)
-    _run_from_config("sft", SFTConfig, run_sft, config, ctx.args, resume, progress)
+
+    def check(cfg, resume: bool) -> list[str]:
+        return _memory_preflight(cfg, config, ctx.args, "sft")
+
+    _run_from_config("sft", SFTConfig, run_sft, config, ctx.args, resume, progress, check=check)
 
 
 class _DemoCommand(typer.core.TyperCommand):
@@ -615,6 +631,46 @@ def view_command(
             serve_page(page, host, port, lambda url: typer.echo(f"serving {url} (Ctrl-C stops)"))
         except ViewError as e:  # the port is in use
             _fail(e)
+
+
+@app.command("plan", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
+def plan_command(
+    ctx: typer.Context,
+    config: str = typer.Option(..., "--config", "-c", help="A train or sft config YAML."),
+    kind: str = typer.Option("auto", "--kind", help="train | sft | auto (train when it has stages)."),
+    gpus: int = typer.Option(8, "--gpus", help="Training ranks (FSDP world size); colocated, also engines."),
+    gpu_memory: float = typer.Option(80.0, "--gpu-memory", help="GiB per GPU."),
+    colocate: bool | None = typer.Option(
+        None, "--colocate/--separate", help="Engines on the trainer's GPUs (default: as the config says)."
+    ),
+    trainer_offload: bool = typer.Option(
+        False, "--trainer-offload", help="The trainer's state leaves the GPU while engines generate."
+    ),
+    arch: str | None = typer.Option(
+        None, "--arch", help="Architecture: qwen3-14b, Qwen/Qwen3-14B[-Base] or a model dir (default: model)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Peak memory per GPU of training (measured with fake tensors and a fake process group at the real
+    world size: no GPU, no weights), each engine's KV cache and trajectories at once, the bytes of one
+    weight sync, and a verdict. Exit status 1 when it does not fit. Extra `key.path=value` override."""
+    import json
+
+    from tirl.config import ConfigError, load_config, read_yaml
+    from tirl.rl.config import SFTConfig, TrainConfig
+    from tirl.rl.plan import ClusterShape, GiB, colocated_by_config, plan_for_config
+
+    try:
+        if kind == "auto":
+            kind = "train" if "stages" in read_yaml(config) else "sft"
+        cfg = load_config(TrainConfig if kind == "train" else SFTConfig, config, ctx.args)
+        shared = colocated_by_config(cfg) if colocate is None else colocate
+        plan = plan_for_config(cfg, ClusterShape(gpus, int(gpu_memory * GiB), shared, trainer_offload), arch)
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(e)
+    typer.echo(json.dumps(plan.as_dict(), default=str, indent=1) if as_json else "\n".join(plan.lines()))
+    if not plan.fits:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from tirl.distributed.groups import (
     DistInfo,
     all_reduce,
     barrier,
+    clip_grad_norm,
     export_hf_model,
     load_full_optimizer_state,
     load_sharded,
@@ -266,9 +267,7 @@ class Policy:
 
     def step(self) -> float:
         """Clip, apply and clear the accumulated gradients; returns the pre-clip grad norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(list(self.model.parameters()), self.optim_cfg.grad_clip, self.info)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
