@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from tirl.devices import resolve_device
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
 from tirl.engines.remote import ServerEngine
@@ -39,12 +40,24 @@ INSTALL_HINT = (
 )
 
 
-def require_sglang() -> None:
-    """Fail early with an actionable message when SGLang is not installed."""
-    import importlib.util
+PYTHON_ENV = "TIRL_SGLANG_PYTHON"  # an interpreter of another environment that has SGLang
 
-    if importlib.util.find_spec("sglang") is None:
-        raise ImportError(INSTALL_HINT)
+
+def sglang_python() -> str:
+    """The Python that runs the SGLang servers: $TIRL_SGLANG_PYTHON (SGLang pins its own torch, so it
+    may live in an environment of its own; tirl talks to it over HTTP only), else this one."""
+    return os.environ.get(PYTHON_ENV) or sys.executable
+
+
+def require_sglang() -> None:
+    """Fail early with an actionable message when the server's Python has no SGLang."""
+    python = sglang_python()
+    probe = subprocess.run(
+        [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        raise ImportError(f"{INSTALL_HINT} (no SGLang in {python}; ${PYTHON_ENV} names another Python)")
 
 
 def _free_port() -> int:
@@ -55,12 +68,12 @@ def _free_port() -> int:
 
 def sglang_server_command(cfg: EngineConfig, port: int) -> list[str]:
     """The SGLang server command for one engine of `cfg` (dtype, context, memory, seed, caching, sleep)."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model]
+    argv = [sglang_python(), "-m", "sglang.launch_server", "--model-path", cfg.model]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--context-length", str(cfg.max_model_len)]
     argv += ["--random-seed", str(cfg.seed), "--log-level", "warning", "--skip-server-warmup"]
     if cfg.dtype != "auto":
         argv += ["--dtype", cfg.dtype]
-    if cfg.device == "cpu":
+    if resolve_device(cfg.device).type == "cpu":  # "auto" without a GPU too
         argv += ["--device", "cpu"]
     else:
         argv += ["--mem-fraction-static", str(cfg.gpu_memory_utilization)]
