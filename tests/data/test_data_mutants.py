@@ -143,3 +143,16 @@ def test_matched_counts_each_gram_once_per_dropped_problem():
     assert isinstance(found, Contamination)
     assert found.matched == Counter({("x", "y"): 1, ("y", "z"): 2})
     assert [p.id for p in found.kept] == ["3"] and found.ignored == Counter()
+
+
+def test_conflicts_of_several_texts_are_all_counted():
+    problems = [
+        Problem("a", "Q1", "1"),
+        Problem("b", "q1", "2"),
+        Problem("c", "Q2", "3"),
+        Problem("d", "q2", "4"),
+        Problem("e", "Q2 ", "5"),
+    ]
+    kept, dropped, conflicts = deduplicate(problems)
+    assert kept == [] and dict(dropped) == {"conflicting_answers": 5}
+    assert [[p.id for p in c] for c in conflicts] == [["a", "b"], ["c", "d", "e"]]
