@@ -118,7 +118,7 @@ class Plan:
 
     def verdict(self) -> str:
         if self.fits:
-            return f"FITS: {_gb(self.training_total)} GB training peak per GPU of {_gb(self.cluster.gpu_memory)} GB"
+            return f"FITS: {_gb(self.training_total)} GiB training peak per GPU of {_gb(self.cluster.gpu_memory)} GiB"
         return "DOES NOT FIT: " + "; ".join(self.advice)
 
     def as_dict(self) -> dict[str, Any]:
@@ -129,23 +129,23 @@ class Plan:
         b, n = self.workload.micro_batch
         out = [
             f"model: {self.architecture}, {self.parameters / 1e9:.2f}B parameters",
-            f"cluster: {c.gpus} GPUs x {_gb(c.gpu_memory)} GB, {'colocated' if c.colocated else 'separate'} "
+            f"cluster: {c.gpus} GPUs x {_gb(c.gpu_memory)} GiB, {'colocated' if c.colocated else 'separate'} "
             f"engines{', trainer offloaded during rollouts' if c.trainer_offload else ''}",
-            f"training (measured, one micro-batch of {b} x {n} tokens): peak {_gb(t.peak)} GB per GPU ("
+            f"training (measured, one micro-batch of {b} x {n} tokens): peak {_gb(t.peak)} GiB per GPU ("
             + ", ".join(f"{k} {_gb(v)}" for k, v in t.by_category.items() if v >= GiB / 100)
             + ")",
             f"  + allocator slack, CUDA/NCCL context{', sleeping engine' if c.colocated and self.engine else ''}"
-            f" = {_gb(self.training_total)} GB; resident between steps {_gb(t.resident)} GB",
+            f" = {_gb(self.training_total)} GiB; resident between steps {_gb(t.resident)} GiB",
         ]
         if self.engine is not None:
             e = self.engine
             out += [
-                f"engine: budget {_gb(e.budget)} GB = weights {_gb(e.weights)} + reserve {_gb(e.reserve)} "
-                f"+ KV cache {_gb(e.kv_cache)} GB ({e.kv_per_token // 1024} KiB per token)",
+                f"engine: budget {_gb(e.budget)} GiB = weights {_gb(e.weights)} + reserve {_gb(e.reserve)} "
+                f"+ KV cache {_gb(e.kv_cache)} GiB ({e.kv_per_token // 1024} KiB per token)",
                 f"  {e.trajectories} trajectories of {e.trajectory_tokens} tokens at once per engine "
                 f"({e.kv_cache // max(e.kv_per_token, 1)} tokens)",
-                f"rollout: {_gb(self.rollout_total or 0)} GB per GPU",
-                f"weight sync: {_gb(self.sync_bytes)} GB per sync",
+                f"rollout: {_gb(self.rollout_total or 0)} GiB per GPU",
+                f"weight sync: {_gb(self.sync_bytes)} GiB per sync",
             ]
         return [*out, self.verdict()]
 
@@ -365,18 +365,18 @@ def _advice(plan: Plan) -> list[str]:
         if not w.gradient_checkpointing:
             hint = "optim.gradient_checkpointing=true, or " + hint
         out.append(
-            f"training needs {_gb(plan.training_total)} GB per GPU: set {hint}, or use more GPUs "
-            f"(the sharded state is {_gb(fixed)} GB at {c.gpus})"
+            f"training needs {_gb(plan.training_total)} GiB per GPU: set {hint}, or use more GPUs "
+            f"(the sharded state is {_gb(fixed)} GiB at {c.gpus})"
         )
     if plan.rollout_total is not None and plan.rollout_total > c.gpu_memory:
         room = c.gpu_memory - (plan.rollout_total - plan.engine.budget)
         out.append(
-            f"rollout needs {_gb(plan.rollout_total)} GB per GPU: set engine.gpu_memory_utilization <= "
+            f"rollout needs {_gb(plan.rollout_total)} GiB per GPU: set engine.gpu_memory_utilization <= "
             f"{math.floor(100 * room / c.gpu_memory) / 100:.2f} or offload the trainer during rollouts"
         )
     if plan.engine is not None and plan.engine.trajectories < 1:
         out.append(
-            f"an engine's KV cache ({_gb(plan.engine.kv_cache)} GB) holds no trajectory of "
+            f"an engine's KV cache ({_gb(plan.engine.kv_cache)} GiB) holds no trajectory of "
             f"{plan.engine.trajectory_tokens} tokens: raise engine.gpu_memory_utilization or "
             "engine.tensor_parallel_size, or lower engine.max_model_len"
         )
