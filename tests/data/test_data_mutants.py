@@ -156,3 +156,10 @@ def test_conflicts_of_several_texts_are_all_counted():
     kept, dropped, conflicts = deduplicate(problems)
     assert kept == [] and dict(dropped) == {"conflicting_answers": 5}
     assert [[p.id for p in c] for c in conflicts] == [["a", "b"], ["c", "d", "e"]]
+
+
+def test_every_dropped_problem_is_counted():
+    problems = [Problem(str(i), "p", a) for i, a in enumerate(["x", "y", "1" * 20, "1" * 20, "1" * 20, "3"])]
+    kept, dropped = filter_integer_answers(problems)
+    assert [p.id for p in kept] == ["5"]
+    assert dict(dropped) == {"non_integer_answer": 2, "answer_over_12_digits": 3}
