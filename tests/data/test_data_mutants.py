@@ -63,8 +63,10 @@ def test_a_kept_problem_keeps_its_fields_and_metadata():
         Problem("c", "text c", "x", "src3"),
     ]
     kept, dropped = filter_integer_answers(problems, max_digits=3)
-    assert kept[0] == Problem("a", "text a", "-3", "src", {"level": 5})  # canonical: no raw_answer
-    assert kept[1] == Problem("b", "text b", "-3", "src2", {"level": 1, "raw_answer": "$-03$"})
+    assert kept[0] == Problem("a", "text a", "-3", "src")
+    assert kept[0].meta == {"level": 5}  # canonical already: no raw_answer (meta is not compared by ==)
+    assert kept[1] == Problem("b", "text b", "-3", "src2")
+    assert kept[1].meta == {"level": 1, "raw_answer": "$-03$"}
     assert problems[1].meta == {"level": 1}  # the input is not modified
     assert dict(dropped) == {"non_integer_answer": 1}
 
