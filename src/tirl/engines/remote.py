@@ -45,7 +45,11 @@ RELOAD_TIMEOUT_S = 1800.0  # a weight reload reads the whole model from storage
 
 
 class ServerError(RuntimeError):
-    """A server answered with an error, or could not be reached."""
+    """A server answered with an error, or could not be reached; `status`: the HTTP status, if any."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class NoLiveServerError(ServerError):
@@ -86,7 +90,10 @@ class ServerAPI(Protocol):
 
 def _check(resp: httpx.Response, what: str) -> httpx.Response:
     if resp.status_code >= 400:
-        raise ServerError(f"{what}: {resp.request.url} answered HTTP {resp.status_code}: {resp.text[:500]}")
+        raise ServerError(
+            f"{what}: {resp.request.url} answered HTTP {resp.status_code}: {resp.text[:500]}",
+            resp.status_code,
+        )
     return resp
 
 
@@ -306,6 +313,7 @@ class ServerEngine:
         self.fleet = fleet or ServerFleet()
         self.fleet.engines.append(self)
         self.api: ServerAPI = API_KINDS[servers.api](servers.served_model)
+        self._asleep = False
         self.up = False  # answering and holding the fleet's current weights
         self.revived = False  # answering again after a failure, weights not yet synced
         self._down_since = 0.0
@@ -422,7 +430,7 @@ class ServerEngine:
             try:
                 return await self._on_loop(self._generate(prompt_ids, params, max_tokens))
             except (httpx.TransportError, ServerError) as e:
-                if isinstance(e, ServerError) and "HTTP 4" in str(e):
+                if isinstance(e, ServerError) and e.status is not None and e.status < 500:
                     raise  # our request is wrong: another server would refuse it too
                 self.fleet.lost(self, repr(e))
         return await self.fleet.reroute(self, prompt_ids, params)
@@ -471,7 +479,7 @@ class ServerEngine:
         return True
 
     def wake_up(self) -> None:
-        if getattr(self, "_asleep", False):
+        if self._asleep:
             self.api.wake_up(self._control)
             self._asleep = False
 
