@@ -100,8 +100,8 @@ class _Recorder:
 
 
 def run_resume(model_dir: str, run_dir: str) -> dict:
-    """Two updates, a checkpoint, a third update; then a new policy resumed from the checkpoint runs the
-    same third update. Records what each rank read on resume and any unsharded model moves."""
+    """An update, a checkpoint, a second update; then a new policy resumed from the checkpoint runs the
+    same second update. Records what each rank read on resume and any unsharded model moves."""
     from tirl.distributed.groups import init_distributed
     from tirl.rl.checkpoint import latest_checkpoint, load_trainer_state
     from tirl.rl.config import AlgorithmConfig, OptimConfig
@@ -114,17 +114,16 @@ def run_resume(model_dir: str, run_dir: str) -> dict:
     with _Recorder() as build:
         first = Policy(model_dir, optim, info, total_steps=4)
     vocab = first.model.config.vocab_size
-    for step in range(2):
-        grpo_update(first, fixed_samples(vocab, seed=step), alg)
-        first.advance_schedule()
+    grpo_update(first, fixed_samples(vocab, n=6, seed=0), alg)  # moments and schedule are under way
+    first.advance_schedule()
     first.save(run_dir, 2, None, {"step": 2}, keep_last=2)
-    continued = grpo_update(first, fixed_samples(vocab, seed=2), alg)["train/loss"]
+    continued = grpo_update(first, fixed_samples(vocab, n=6, seed=2), alg)["train/loss"]
     ckpt = latest_checkpoint(run_dir)
     saved = load_trainer_state(ckpt)
     with _Recorder() as resume:
         second = Policy(str(ckpt / "model"), optim, info, total_steps=4)
         second.restore(saved)
-    resumed = grpo_update(second, fixed_samples(vocab, seed=2), alg)["train/loss"]
+    resumed = grpo_update(second, fixed_samples(vocab, n=6, seed=2), alg)["train/loss"]
     return {
         "rank": info.rank,
         "world": info.world_size,

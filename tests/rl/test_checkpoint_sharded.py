@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("dist_worker.py")
+pytestmark = pytest.mark.timeout(900)  # a hang guard: two torchrun ranks are slow on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def resumed(tiny_model_dir, tmp_path_factory) -> tuple[list[dict], Path]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=800,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp / f"out.json.{r}").read_text()) for r in range(2)], tmp / "run"
