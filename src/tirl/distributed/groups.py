@@ -9,6 +9,9 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -163,11 +166,22 @@ def _training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
 
+@contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """DCP warns each time it runs without a process group; in a world of one that is the design."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
 def save_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write this rank's shards of the weights and optimizer state under `path` (a collective)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_training_state(model, optimizer), checkpoint_id=str(path))
+    with _single_process_is_intended():
+        dcp.save(_training_state(model, optimizer), checkpoint_id=str(path))
 
 
 def load_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -177,7 +191,8 @@ def load_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _training_state(model, optimizer)  # the shapes and shardings to read into
-    dcp.load(state, checkpoint_id=str(path))
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
