@@ -88,7 +88,8 @@ def test_sglang_request_and_answer():
 
 
 def test_sglang_load_sums_data_parallel_ranks():
-    load = parse_sglang_load([{"max_total_num_tokens": 100, "num_tokens": 30}, {"max_total_num_tokens": 100}])
+    body = {"loads": [{"max_total_num_tokens": 100, "num_used_tokens": 30}, {"max_total_num_tokens": 100}]}
+    load = parse_sglang_load(body)
     assert (load.total_tokens, load.used_share) == (200, 0.15)
 
 

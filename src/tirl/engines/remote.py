@@ -6,7 +6,7 @@ list of token ids and answers with the sampled ids (`return_token_ids`) and each
 SGLang's /generate takes `input_ids` and returns `output_ids` with `output_token_logprobs`.
 
 Each URL is one Engine. A poller per server reads its health and KV usage (vLLM's Prometheus
-/metrics, SGLang's /get_load), so `capacity()` never blocks the event loop and the KV-aware
+/metrics, SGLang's /v1/loads), so `capacity()` never blocks the event loop and the KV-aware
 RolloutScheduler spreads trajectories over the servers as over in-process engines. A turn whose
 server fails (connection refused, 5xx) goes to the live server with the most free KV, as the Ray
 runtime's engine fleet does; a server that comes back rejoins at the next weight sync (its weights
@@ -254,13 +254,13 @@ class SGLangServerAPI:
         return Generation(token_ids, logprobs, reason if reason in ("stop", "length") else "abort")
 
     async def describe(self, http: httpx.AsyncClient) -> tuple[str, int | None]:
-        info = _check(await http.get("/get_model_info", timeout=CONTROL_TIMEOUT_S), "model info").json()
-        server = _check(await http.get("/get_server_info", timeout=CONTROL_TIMEOUT_S), "server info").json()
+        info = _check(await http.get("/model_info", timeout=CONTROL_TIMEOUT_S), "model info").json()
+        server = _check(await http.get("/server_info", timeout=CONTROL_TIMEOUT_S), "server info").json()
         self.model = self.model or info.get("model_path", "")
         return self.model, server.get("context_length") or server.get("max_total_num_tokens")
 
     async def load(self, http: httpx.AsyncClient) -> ServerLoad:
-        resp = await http.get("/get_load", timeout=CONTROL_TIMEOUT_S)
+        resp = await http.get("/v1/loads", params={"include": "core"}, timeout=CONTROL_TIMEOUT_S)
         if resp.status_code != 200:
             return ServerLoad(healthy=False)
         return parse_sglang_load(resp.json())
@@ -282,13 +282,12 @@ class SGLangServerAPI:
         _check(http.post("/resume_memory_occupation", json={}, timeout=RELOAD_TIMEOUT_S), "resume memory")
 
 
-def parse_sglang_load(body: Any) -> ServerLoad:
-    """/get_load answers one record per data-parallel rank; tokens in use over the pool's size."""
-    ranks = body if isinstance(body, list) else [body]
+def parse_sglang_load(body: dict) -> ServerLoad:
+    """/v1/loads answers one record per data-parallel rank: KV tokens in use of the pool's size."""
     total = used = 0
-    for rank in ranks:
+    for rank in body.get("loads") or []:
         total += int(rank.get("max_total_num_tokens") or 0)
-        used += int(rank.get("num_tokens") or rank.get("num_used_tokens") or 0)
+        used += int(rank.get("num_used_tokens") or 0)
     return ServerLoad(True, total or None, used / total if total else None)
 
 

@@ -3,7 +3,7 @@
 Each engine is `python -m sglang.launch_server` on a loopback port (its GPU pinned through
 CUDA_VISIBLE_DEVICES), driven through SGLang's native API by the same client as engine.backend=remote
 (tirl.engines.remote, api=sglang): token ids in (`input_ids`), token ids and log-probs out
-(`output_token_logprobs`), free KV from /get_load for the KV-aware scheduler, weights reloaded in
+(`output_token_logprobs`), free KV from /v1/loads for the KV-aware scheduler, weights reloaded in
 place (/update_weights_from_disk, from a safetensors file tirl writes to /dev/shm), the radix
 (prefix) cache flushed after every reload (/flush_cache), sleep/wake through SGLang's memory saver
 (/release_memory_occupation, /resume_memory_occupation; start with engine.enable_sleep_mode).
