@@ -107,6 +107,8 @@ class SGLangEngine:
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
+        if resolve_device(cfg.device).type == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU kernels (else it reaches for CUDA/vLLM ops)
         self._proc = subprocess.Popen(
             sglang_server_command(cfg, self.port),
             env=env,
