@@ -124,13 +124,19 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"verdict": self.verdict()}
 
+    def _layout(self) -> str:
+        c = self.cluster
+        if self.engine is None:
+            return "training only"
+        offload = ", trainer offloaded during rollouts" if c.trainer_offload else ""
+        return f"{'colocated' if c.colocated else 'separate'} engines{offload}"
+
     def lines(self) -> list[str]:
         c, t = self.cluster, self.training
         b, n = self.workload.micro_batch
         out = [
             f"model: {self.architecture}, {self.parameters / 1e9:.2f}B parameters",
-            f"cluster: {c.gpus} GPUs x {_gb(c.gpu_memory)} GiB, {'colocated' if c.colocated else 'separate'} "
-            f"engines{', trainer offloaded during rollouts' if c.trainer_offload else ''}",
+            f"cluster: {c.gpus} GPUs x {_gb(c.gpu_memory)} GiB, {self._layout()}",
             f"training (measured, one micro-batch of {b} x {n} tokens): peak {_gb(t.peak)} GiB per GPU ("
             + ", ".join(f"{k} {_gb(v)}" for k, v in t.by_category.items() if v >= GiB / 100)
             + ")",
