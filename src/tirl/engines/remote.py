@@ -41,6 +41,8 @@ from tirl.engines.config import EngineConfig, RemoteServers
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CONTROL_TIMEOUT_S = 30.0  # health, metrics, cache resets
+HEALTH_TIMEOUT_S = 10.0  # a server busy decoding on loaded CPUs can take seconds to answer /health
+FAILED_POLLS_DOWN = 3  # consecutive failed polls before a server counts as down (one slow answer is not)
 RELOAD_TIMEOUT_S = 1800.0  # a weight reload reads the whole model from storage
 
 
@@ -313,6 +315,7 @@ class ServerEngine:
         self.fleet.engines.append(self)
         self.api: ServerAPI = API_KINDS[servers.api](servers.served_model)
         self._asleep = False
+        self._failed_polls = 0
         self.up = False  # answering and holding the fleet's current weights
         self.revived = False  # answering again after a failure, weights not yet synced
         self._down_since = 0.0
@@ -392,17 +395,20 @@ class ServerEngine:
     async def poll(self) -> None:
         """One look at the server: load when healthy; a failed server that answers again is revived."""
         try:
-            healthy = (await self._http.get("/health", timeout=5.0)).status_code == 200  # type: ignore[union-attr]
+            health = await self._http.get("/health", timeout=HEALTH_TIMEOUT_S)  # type: ignore[union-attr]
+            healthy = health.status_code == 200
             load = await self.api.load(self._http) if healthy else ServerLoad(healthy=False)  # type: ignore[arg-type]
         except (httpx.HTTPError, ValueError) as e:
             log.debug("%s: poll failed: %r", self.name, e)
             load = ServerLoad(healthy=False)
         if load.healthy:
-            self._load = load
+            self._load, self._failed_polls = load, 0
             if not self.up and time.monotonic() - self._down_since >= self.cfg.remote.down_cooldown_s:
                 self.fleet.answering(self)
-        elif self.up:
-            self.fleet.lost(self, "failed its health check")
+            return
+        self._failed_polls += 1
+        if self.up and self._failed_polls >= FAILED_POLLS_DOWN:
+            self.fleet.lost(self, f"failed {self._failed_polls} health checks in a row")
 
     def capacity(self) -> KVCapacity:
         # The last poll's view: a remote call here would block the scheduler's event loop.
