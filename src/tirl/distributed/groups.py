@@ -236,7 +236,12 @@ def export_hf_model(model: torch.nn.Module, out_dir, info: DistInfo) -> None:
 
     out = Path(out_dir)
     files = _export_files(_export_tensors(model))
-    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    # HF's own naming: one file is model.safetensors, several are numbered and indexed.
+    names = (
+        ["model.safetensors"]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
     weight_map, total = {}, 0
     for fname, group in zip(names, files, strict=True):
         tensors = {}
@@ -251,8 +256,9 @@ def export_hf_model(model: torch.nn.Module, out_dir, info: DistInfo) -> None:
             out.mkdir(parents=True, exist_ok=True)
             save_file(tensors, out / fname, metadata={"format": "pt"})
     if info.is_main:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         model.config.save_pretrained(out)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(out)
