@@ -599,3 +599,17 @@ async def test_a_failure_of_the_last_group_in_flight_is_raised_not_waited_on(env
             await asyncio.wait_for(p.all_done(), 2)
     finally:
         await p.close()
+
+
+async def test_a_versioned_engine_passes_the_prompt_and_sampling_params_through():
+    seen = []
+
+    class Recorder:
+        async def generate(self, prompt_ids, params):
+            seen.append((prompt_ids, params))
+            return Generation([1], [-0.1], "stop")
+
+    params = SamplingParams(temperature=0.5, seed=9)
+    async with VersionedPool(ToyPool(Recorder()), WeightVersions(2)).lease("g", 8) as leased:
+        gen = await leased.generate([4, 5], params)
+    assert seen == [([4, 5], params)] and gen.version == 2
