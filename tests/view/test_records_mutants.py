@@ -228,3 +228,12 @@ def test_load_source_errors_name_the_path_and_what_to_give(tmp_path):
     with pytest.raises(ViewError) as err:
         load_source(bad)
     assert str(err.value).endswith("expected a JSON object, got list; is it a tirl JSONL file?")
+
+
+def test_statuses_count_every_call_and_no_empty_text_is_shown():
+    text = call("a") + call("b") + call("c")
+    records = [ToolCallRecord(0, "ok", "a"), ToolCallRecord(0, "ok", "b"), ToolCallRecord(0, "timeout", "c")]
+    v = view_record(traj(text, records, mask=[1, 1]).to_dict(), 0)
+    assert v["statuses"] == {"ok": 2, "timeout": 1}
+    parts = v["turns"][0]["parts"]
+    assert [kind for kind, _ in parts] == ["call", "call", "call"]  # back to back: no empty text between
