@@ -220,3 +220,16 @@ def prepare_run_dir(
         ensure_writable_dir(run_dir, "run directory (output_dir/run_name)")
         dump_config(cfg, run_dir / "config.yaml")
     return None
+
+
+def read_saved_training_state(ckpt: Path) -> dict:
+    """A checkpoint's sharded weights and optimizer state gathered into one dict, {"model": ...,
+    "optim": {"state": {name: {...}}, "param_groups": [...]}}, in this process (for inspection and
+    tests; training itself reads only its own shards)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(Path(ckpt) / "shards", Path(tmp) / "state.pt")
+        return torch.load(Path(tmp) / "state.pt", map_location="cpu", weights_only=False)
