@@ -262,8 +262,8 @@ def _bind_own_package(
     target = root(package)
     if masked:
         linux.mount("tmpfs", target, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=1m,mode=0755")
-    for p in pieces:
-        _mountpoint(root(p), directory=os.path.isdir(p))
+    for p in pieces:  # through the fd: the tmpfs the root is built in may hide p (a checkout under /tmp)
+        _mountpoint(root(p), directory=os.path.isdir(f"/proc/self/fd/{sources[p][0]}"))
     for p in pieces:
         fd, flags = sources[p]
         _bind_readonly(fd, root(p), flags)
