@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tirl.config import ConfigError, load_config
-from tirl.rl.checkpoint import latest_checkpoint, load_trainer_state
+from tirl.rl.checkpoint import latest_checkpoint, load_trainer_state, read_saved_training_state
 from tirl.rl.config import TrainConfig
 from tirl.rl.metrics import read_metrics
 from tirl.rl.trainer import FAULT_ENV, run_training
@@ -99,7 +99,11 @@ def _train_until_killed(
 
 def _final_state(run_dir: Path) -> tuple[dict, dict]:
     ckpt = latest_checkpoint(run_dir)
-    return load_file(ckpt / "model" / "model.safetensors"), load_trainer_state(ckpt)
+    # sharded checkpoints: the optimizer lives in the shards, gathered here for the comparison
+    return load_file(ckpt / "model" / "model.safetensors"), {
+        **load_trainer_state(ckpt),
+        "optimizer": read_saved_training_state(ckpt)["optim"],
+    }
 
 
 @pytest.mark.slow
