@@ -5,6 +5,12 @@ a finished `tirl demo` directory (same SFT model, data, seed, step budget and ev
 
     .venv/bin/python benchmarks/async_demo.py --demo runs/demo [--k 1] [--tis-cap off] \
         [--staleness-mode exact] [--only async] [--out runs/async_demo] [demo.seed=1 ...]
+    .venv/bin/python benchmarks/async_demo.py --demo runs/demo --seeds 5    # seeds 0-4, both sides
+
+With `--seeds N` both sides run for seeds 0..N-1 (a run whose OUT/<run>.json exists is not run again, so
+an interrupted comparison continues), then OUT/seeds.json holds each quantity's mean and 95% interval
+per side and the paired difference async - sync (same seed = same prompts), and OUT/figure9.png the
+per-step bands and held-out accuracy.
 
 The async run gets tirl's defaults for async (truncated importance sampling, cap 2.0) unless `--tis-cap`
 says otherwise (`off`: no correction, the configuration that collapsed). Each run is a full `tirl train`
@@ -58,6 +64,7 @@ def run(settings: DemoSettings, demo: Path, out: Path, name: str) -> dict:
     report = asyncio.run(_evaluate(settings, latest_model_dir(run_dir), heldout, out / f"eval_{name}", False))
     result = {
         "run": name,
+        "run_dir": str(run_dir),
         "seed": cfg.seed,
         "async": alg.async_,
         "max_staleness": alg.staleness_bound,
@@ -74,6 +81,35 @@ def run(settings: DemoSettings, demo: Path, out: Path, name: str) -> dict:
     } | _guard_rails(rows)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def run_or_load(settings: DemoSettings, demo: Path, out: Path, name: str) -> dict:
+    """`run`, unless OUT/<name>.json says it already ran."""
+    done = out / f"{name}.json"
+    return json.loads(done.read_text()) if done.is_file() else run(settings, demo, out, name)
+
+
+def compare_seeds(results: dict[str, list[dict]], out: Path) -> dict:
+    """Mean and 95% interval over seeds per side, and the paired difference of async minus sync."""
+    from tirl.demo.plots import plot_comparison
+    from tirl.demo.seed_stats import summarize
+    from tirl.rl.metrics import read_metrics
+
+    training = {side: [read_metrics(Path(r["run_dir"])) for r in rows] for side, rows in results.items()}
+    accuracy = {side: [r["heldout_accuracy"] for r in rows] for side, rows in results.items()}
+    summary = summarize({"async": training["async"], "sync": training["sync"]}, accuracy)
+    summary["rl_wall_s"] = {side: [round(r["rl_wall_s"]) for r in rows] for side, rows in results.items()}
+    (out / "seeds.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_comparison(summary, out, title="Asynchronous (k=1, TIS 2.0) vs synchronous GRPO-RoC")
+    return summary
+
+
+def _print_seeds(summary: dict) -> None:
+    acc = summary["heldout_accuracy"]
+    for side in ("sync", "async", "difference"):
+        iv = acc[side]
+        per_seed = ", ".join(f"{a:.1f}" for a in acc[side].get("per_seed", []))
+        print(f"held-out {side:<10} {iv['mean']:6.2f} [{iv['low']:6.2f}, {iv['high']:6.2f}]  {per_seed}")
 
 
 def _async_overrides(args: argparse.Namespace) -> list[str]:
@@ -98,6 +134,29 @@ def _print(results: list[dict]) -> None:
         )
 
 
+def _sides(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, DemoSettings]]:
+    """Run name and settings of each side for `seed`."""
+    overrides = [*args.overrides, f"demo.seed={seed}"]  # the last one wins
+    exact = "_exact" if args.staleness_mode == "exact" else ""
+    tis = "" if args.tis_cap is None else f"_tis{args.tis_cap}"
+    return {
+        "sync": (f"sync_seed{seed}", load_settings(overrides=overrides)),
+        "async": (
+            args.name or f"async_k{args.k}{exact}{tis}_seed{seed}",
+            load_settings(overrides=[*overrides, *_async_overrides(args)]),
+        ),
+    }
+
+
+def _main_seeds(args: argparse.Namespace, demo: Path, out: Path) -> None:
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    for seed in range(args.seeds):
+        for side, (name, settings) in _sides(args, seed).items():
+            results[side].append(run_or_load(settings, demo, out, name))
+    _print([r for pair in zip(results["sync"], results["async"], strict=True) for r in pair])
+    _print_seeds(compare_seeds(results, out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--demo", required=True, help="a finished `tirl demo` output directory")
@@ -108,6 +167,7 @@ def main() -> None:
         "--tis-cap", help="algorithm.tis_cap of the async run: a number, or off (default: tirl's)"
     )
     ap.add_argument("--staleness-mode", choices=["bounded", "exact"], default="bounded")
+    ap.add_argument("--seeds", type=int, help="run both sides for seeds 0..N-1 and compare them")
     ap.add_argument("--name", help="the async run's name (default async_k<k>[_exact][_tis<cap>]_seed<seed>)")
     ap.add_argument("overrides", nargs="*", help="demo settings, e.g. demo.rl_steps=10 demo.seed=1")
     args = ap.parse_args()
@@ -115,17 +175,10 @@ def main() -> None:
     if not (demo / "sft").is_dir() or not (demo / "data" / "heldout.jsonl").is_file():
         raise SystemExit(f"{demo} is not a finished `tirl demo` directory (no sft/ or data/heldout.jsonl)")
     out.mkdir(parents=True, exist_ok=True)
-    base = load_settings(overrides=args.overrides)
-    seed = base.demo.seed
-    exact = "_exact" if args.staleness_mode == "exact" else ""
-    tis = "" if args.tis_cap is None else f"_tis{args.tis_cap}"
-    sides = {
-        "sync": (f"sync_seed{seed}", base),
-        "async": (
-            args.name or f"async_k{args.k}{exact}{tis}_seed{seed}",
-            load_settings(overrides=[*args.overrides, *_async_overrides(args)]),
-        ),
-    }
+    if args.seeds:
+        return _main_seeds(args, demo, out)
+    seed = load_settings(overrides=args.overrides).demo.seed
+    sides = _sides(args, seed)
     results = [run(s, demo, out, name) for side, (name, s) in sides.items() if args.only in (None, side)]
     (out / "async_demo.json").write_text(json.dumps(results, indent=2) + "\n")
     _print(results)

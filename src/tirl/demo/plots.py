@@ -126,7 +126,7 @@ def _bands(ax, curves: dict[str, dict], scale: float) -> None:
         ax.legend()
 
 
-def plot_comparison(summary: dict, out_dir: str | Path) -> list[Path]:
+def plot_comparison(summary: dict, out_dir: str | Path, title: str = "GRPO-RoC vs plain GRPO") -> list[Path]:
     """The multi-seed comparison (tirl.demo.seed_stats.summarize) as the paper's Figure 4 (tool-error ratio
     in correct trajectories) and Figure 9 (reward, held-out accuracy, response length, tool calls)."""
     from tirl.demo.seed_stats import CURVES
@@ -161,7 +161,7 @@ def plot_comparison(summary: dict, out_dir: str | Path) -> list[Path]:
     ax.bar_label(bars, fmt="%.1f", label_type="center")
     ax.set(title="Held-out accuracy after RL (%)", ylim=(0, 105))
     ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"GRPO-RoC vs plain GRPO: mean and 95% interval over {n} seeds")
+    fig.suptitle(f"{title}: mean and 95% interval over {n} seeds")
     fig.tight_layout()
     fig.savefig(out / "figure9.png", dpi=110)
     plt.close(fig)

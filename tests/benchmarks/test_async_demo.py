@@ -1,0 +1,41 @@
+"""benchmarks/async_demo.py --seeds: the comparison over seeds (sync vs async, paired by seed) from
+finished runs, and the resume rule (a run whose result file exists is not run again)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from async_demo import compare_seeds, run_or_load
+
+CURVE_KEYS = ("reward/mean", "tools/error_ratio_in_correct", "response/length_mean", "tools/calls_per_traj")
+
+
+def _finished_run(tmp: Path, name: str, reward: float, accuracy: float) -> dict:
+    run_dir = tmp / name
+    run_dir.mkdir()
+    rows = [{"step": s, **dict.fromkeys(CURVE_KEYS, reward + s / 100)} for s in range(1, 7)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"run": name, "run_dir": str(run_dir), "heldout_accuracy": accuracy, "rl_wall_s": 100.0}
+
+
+def test_compare_seeds_pairs_async_with_sync_by_seed(tmp_path):
+    sync = [_finished_run(tmp_path, f"sync_seed{s}", 0.5, acc) for s, acc in enumerate([80.0, 82.0, 84.0])]
+    asyn = [_finished_run(tmp_path, f"async_seed{s}", 0.4, acc) for s, acc in enumerate([79.0, 81.0, 83.0])]
+    summary = compare_seeds({"sync": sync, "async": asyn}, tmp_path)
+
+    acc = summary["heldout_accuracy"]
+    assert acc["sync"]["mean"] == 82.0 and acc["async"]["mean"] == 81.0
+    # async - sync is -1 for every seed: a paired difference with no spread
+    assert acc["difference"] == {"mean": -1.0, "low": -1.0, "high": -1.0, "n": 3}
+    reward = summary["final"]["reward/mean"]
+    assert round(reward["difference"]["mean"], 6) == -0.1  # last 5 steps, paired
+    assert json.loads((tmp_path / "seeds.json").read_text())["seeds"] == 3
+    assert (tmp_path / "figure9.png").stat().st_size > 0
+
+
+def test_a_finished_run_is_loaded_not_run_again(tmp_path):
+    done = {"run": "sync_seed0", "heldout_accuracy": 80.0}
+    (tmp_path / "sync_seed0.json").write_text(json.dumps(done))
+    # settings and demo are never read: a run would fail on them
+    assert run_or_load(None, tmp_path / "no-demo", tmp_path, "sync_seed0") == done
