@@ -1,8 +1,15 @@
-"""Commands started the way a terminal starts its foreground command, for the Ctrl-C tests."""
+"""How the tests start a tirl command: from this checkout's source, in a subprocess, the way a user's
+terminal starts it (for the Ctrl-C tests, as its foreground command)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # An ignored signal stays ignored across exec, and a shell that starts a job in the background without
 # job control (`cmd &` in a script, nohup) ignores SIGINT for it: a test run started so would pass that
@@ -15,3 +22,24 @@ def foreground(argv: list[str]) -> list[str]:
     """`argv` (a program and its arguments) run with SIGINT at its default disposition, in this process's
     place: the pid Popen returns is the command's own."""
     return [sys.executable, "-c", _DEFAULT_SIGINT, *argv]
+
+
+def tirl_env() -> dict[str, str]:
+    """This process's environment with this checkout's source first on PYTHONPATH and without
+    RAY_ADDRESS: a command starts its own private Ray, as on a laptop, unless it is told an address."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
+    return env
+
+
+def tirl_argv(*args: str, launcher: Sequence[str] = ()) -> list[str]:
+    """The command line of `tirl ARGS`; `launcher`: the arguments of a Python launcher that runs it
+    (torchrun: ["-m", "torch.distributed.run", "--nproc_per_node=2"])."""
+    return [sys.executable, *launcher, "-m", "tirl.cli", *args]
+
+
+def run_tirl(*args: str, timeout: float, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """`tirl ARGS` run to its end with tirl_env(); its output captured as text."""
+    return subprocess.run(
+        tirl_argv(*args, launcher=launcher), env=tirl_env(), capture_output=True, text=True, timeout=timeout
+    )

@@ -9,17 +9,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from tests.terminal import foreground
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))}
+from tests.terminal import foreground, tirl_argv, tirl_env
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -105,10 +101,10 @@ class Output:
 def test_kill_9_of_a_command_takes_its_children_along(tiny_model_dir, engine):
     """`tirl chat` starts a sandbox service (an exec'd tirl process) and, on vLLM, an engine core (a
     forked process); SIGKILL of chat alone leaves neither behind."""
-    argv = [sys.executable, "-m", "tirl.cli", "chat", "--model", str(tiny_model_dir), "--engine", engine]
+    argv = tirl_argv("chat", "--model", str(tiny_model_dir), "--engine", engine)
     proc = subprocess.Popen(
         [*argv, "--max-tokens", "16"],
-        env=ENV,
+        env=tirl_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -172,9 +168,13 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path, 
             }
         )
     )
-    argv = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "seed=3"]
+    argv = tirl_argv("train", "--config", str(config), "seed=3")
     proc = subprocess.Popen(
-        foreground(argv), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        foreground(argv),
+        env=tirl_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     output = Output(proc)
     try:
@@ -199,10 +199,7 @@ def test_ctrl_c_in_eval_keeps_the_finished_trajectories(tiny_model_dir, tmp_path
         )
     )
     out = tmp_path / "eval"
-    argv = [
-        sys.executable,
-        "-m",
-        "tirl.cli",
+    argv = tirl_argv(
         "eval",
         "--model",
         str(tiny_model_dir),
@@ -218,9 +215,13 @@ def test_ctrl_c_in_eval_keeps_the_finished_trajectories(tiny_model_dir, tmp_path
         str(out),
         "--reward-workers",
         "1",
-    ]
+    )
     proc = subprocess.Popen(
-        foreground(argv), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        foreground(argv),
+        env=tirl_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     output = Output(proc)
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tests.terminal import run_tirl, tirl_env
 
 ray = pytest.importorskip("ray")  # `make test` installs tirl[ray]
 
@@ -354,13 +355,8 @@ def test_unreachable_address_is_one_clear_error():
         "from tirl.runtime.config import ClusterConfig; from tirl.runtime.ray_cluster import connect\n"
         "connect(ClusterConfig(backend='ray', address='127.0.0.1:9'))"
     )
-    src = str(Path(__file__).parents[2] / "src")
     proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": src},
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=tirl_env()
     )
     assert proc.returncode != 0
     assert "cannot reach the Ray cluster at cluster.address='127.0.0.1:9'" in proc.stderr
@@ -369,16 +365,9 @@ def test_unreachable_address_is_one_clear_error():
 @pytest.mark.timeout(900)  # a hang guard: `tirl eval` on the cluster is slow on a loaded machine
 def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_dir, tmp_path):
     """`tirl eval --cluster ray`: one evaluation over both engine actors (one per node)."""
-    import subprocess
-    import sys
-
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in PROBLEMS))
-    src = str(Path(__file__).parents[2] / "src")
-    cmd = [
-        sys.executable,
-        "-m",
-        "tirl.cli",
+    proc = run_tirl(
         "eval",
         "--model",
         str(tiny_model_dir),
@@ -402,9 +391,7 @@ def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_d
         "ray",
         "--ray-address",
         cluster.address,
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": src}
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from tests.terminal import run_tirl
 
 pytest.importorskip("ray")
-
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _config(tmp_path: Path, model_dir: Path) -> Path:
@@ -50,20 +47,12 @@ def _config(tmp_path: Path, model_dir: Path) -> Path:
     return config
 
 
-def _tirl(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray, as on a laptop
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "tirl.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # Ray and five actors that import torch, on a loaded 2-core machine
 def test_the_documented_one_machine_ray_command_trains_on_two_cores(tiny_model_dir, tmp_path):
     assert (os.cpu_count() or 1) < 5  # the defaults reserve 5 logical CPUs: more than this machine has
     config = _config(tmp_path, tiny_model_dir)
-    done = _tirl(
+    done = run_tirl(
         "train", "--config", str(config), "cluster.backend=ray", "cluster.trainer.ranks=2", timeout=840
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
@@ -74,7 +63,7 @@ def test_the_documented_one_machine_ray_command_trains_on_two_cores(tiny_model_d
 def test_a_private_ray_too_small_for_the_actors_fails_before_starting(tiny_model_dir, tmp_path):
     config = _config(tmp_path, tiny_model_dir)
     start = time.monotonic()
-    done = _tirl(
+    done = run_tirl(
         "train",
         "--config",
         str(config),

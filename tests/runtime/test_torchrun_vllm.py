@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from tests.terminal import run_tirl
 
 from tirl.distributed.weight_sync import free_port
 from tirl.rl.metrics import read_metrics
@@ -22,7 +20,6 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
 ]
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _config(tmp_path: Path, model_dir: Path) -> Path:
@@ -59,22 +56,8 @@ def _config(tmp_path: Path, model_dir: Path) -> Path:
 @pytest.mark.timeout(900)
 def test_torchrun_two_ranks_with_a_vllm_cpu_engine_keeps_engine_and_trainer_in_step(tiny_model_dir, tmp_path):
     config = _config(tmp_path, tiny_model_dir)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-    ]
-    done = subprocess.run(
-        [*torchrun, "-m", "tirl.cli", "train", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=850,
-    )
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    done = run_tirl("train", "--config", str(config), launcher=torchrun, timeout=850)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = read_metrics(tmp_path / "runs" / "r")
     assert [g["step"] for g in got] == [1, 2]

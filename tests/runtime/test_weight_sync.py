@@ -22,6 +22,7 @@ from tirl.distributed.weight_sync import (
     receive_into,
     send_weights,
 )
+from tirl.rl.plan import architecture_config
 
 
 def test_buckets_keep_order_stay_within_the_bound_and_give_big_tensors_their_own():
@@ -54,20 +55,10 @@ def test_a_layer_is_never_split_even_when_it_exceeds_a_bucket():
 
 
 def _qwen3_14b_on_meta() -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3Config(
-        hidden_size=5120,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=17408,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-    )
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_config(architecture_config("qwen3-14b"), dtype=torch.bfloat16)
 
 
 def test_qwen3_14b_plan_keeps_merged_groups_whole_and_moves_two_bytes_per_parameter():

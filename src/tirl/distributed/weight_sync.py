@@ -33,20 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tirl.devices import wire_dtype
+
 log = logging.getLogger(__name__)
-_DTYPES = {
-    str(t): t
-    for t in (
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.uint8,
-        torch.bool,
-    )
-}
 ALIGN = 64  # bytes
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")  # "model.layers.12.mlp.up_proj.weight" -> "model.layers.12"
 
@@ -99,7 +88,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return _DTYPES[self.dtype].itemsize * max(1, int(torch.Size(self.shape).numel()))
+        return wire_dtype(self.dtype).itemsize * max(1, int(torch.Size(self.shape).numel()))
 
     @property
     def slot(self) -> int:
@@ -187,7 +176,7 @@ def _pack(buf: torch.Tensor | None, bucket: list[Entry], params: dict[str, torch
     for e in bucket:
         full = _full(params[e.name]).detach()
         if buf is not None:
-            buf[offset : offset + e.nbytes].view(_DTYPES[e.dtype]).view(full.shape).copy_(full)
+            buf[offset : offset + e.nbytes].view(wire_dtype(e.dtype)).view(full.shape).copy_(full)
         offset += e.slot
 
 
@@ -233,7 +222,7 @@ def receive_weights(pg: dist.ProcessGroup, device: torch.device) -> Iterator[lis
         _broadcast(pg, buf)
         pairs, offset = [], 0
         for e in bucket:
-            flat = buf[offset : offset + e.nbytes].view(_DTYPES[e.dtype])
+            flat = buf[offset : offset + e.nbytes].view(wire_dtype(e.dtype))
             pairs.append((e.name, flat.view(e.shape)))
             offset += e.slot
         yield pairs

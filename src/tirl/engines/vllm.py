@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tirl.devices import resolve_dtype
+from tirl.devices import resolve_dtype, wire_dtype
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig
 
@@ -65,19 +65,6 @@ def require_vllm() -> None:
 # vLLM's RPC encoder carries without pickling.
 FlatEntry = tuple[str, list[int], str, int]
 ALIGN = 64  # bytes: a dtype view of the buffer must start at a multiple of its element size
-_DTYPES = {
-    str(t).removeprefix("torch."): t
-    for t in (
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.uint8,
-        torch.bool,
-    )
-}
 
 
 def flat_plan(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[list[FlatEntry], int]:
@@ -93,15 +80,15 @@ def flat_plan(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tu
 def pack_flat(tensors: list[tuple[str, torch.Tensor]], plan: list[FlatEntry], buf: torch.Tensor) -> None:
     """Each tensor cast into its slot of `buf` (uint8): the one copy the trainer side makes."""
     for (_, t), (_, shape, dtype, offset) in zip(tensors, plan, strict=True):
-        n = t.numel() * _DTYPES[dtype].itemsize
-        buf[offset : offset + n].view(_DTYPES[dtype]).view(shape).copy_(t.detach())
+        n = t.numel() * wire_dtype(dtype).itemsize
+        buf[offset : offset + n].view(wire_dtype(dtype)).view(shape).copy_(t.detach())
 
 
 def unpack_flat(buf: torch.Tensor, plan: list[FlatEntry]) -> Iterator[tuple[str, torch.Tensor]]:
     """Views into `buf`, no copy."""
     for name, shape, dtype, offset in plan:
-        n = max(1, int(torch.Size(shape).numel())) * _DTYPES[dtype].itemsize
-        yield name, buf[offset : offset + n].view(_DTYPES[dtype]).view(shape)
+        n = max(1, int(torch.Size(shape).numel())) * wire_dtype(dtype).itemsize
+        yield name, buf[offset : offset + n].view(wire_dtype(dtype)).view(shape)
 
 
 def check_space(directory: str, nbytes: int) -> None:
