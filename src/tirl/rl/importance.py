@@ -36,15 +36,17 @@ _MAX_LOG_WEIGHT = 20.0  # exp(20) is already far past any sensible cap; beyond i
 
 @dataclass
 class ISWeights:
-    weight: torch.Tensor  # [B, T] min(exp(old - engine), cap), detached; 1 where not trained
-    ratio: torch.Tensor  # [B, T] exp(old - engine) before truncation, detached
+    weight: torch.Tensor  # [B, T] min(exp(old - engine), cap), detached; min(1, cap) where not trained
+    ratio: torch.Tensor  # [B, T] exp(old - engine) before truncation, detached; 1 where not trained
     truncated: torch.Tensor  # [B, T] bool: ratio > cap (the weight was truncated to the cap)
 
 
 def truncated_is_weights(
     old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
 ) -> ISWeights:
-    """Per-token TIS weights of the trained tokens (`mask` 1); untrained tokens get weight 1."""
+    """Per-token TIS weights of the trained tokens (`mask` 1). Untrained tokens get ratio 1, so weight
+    min(1, cap) (1 for any cap >= 1, the cap below it) and are never counted as truncated; the loss's
+    mask zeroes them either way."""
     if cap <= 0:
         raise ValueError(f"the TIS cap must be > 0, got {cap}")
     with torch.no_grad():
