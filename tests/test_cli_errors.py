@@ -4,21 +4,20 @@ no traceback; `tirl` alone prints its help."""
 
 from __future__ import annotations
 
-import os
+import json
+import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from tests.terminal import run_tirl
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _tirl(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, "-m", "tirl.cli", *args], env=env, capture_output=True, text=True, timeout=300
-    )
+    return run_tirl(*args, timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -73,3 +72,100 @@ def test_train_and_sft_help_name_config_paths_that_exist():
             and (root / f"src/tirl/configs/rstar2/{name}.yaml").is_file()
         )
     assert "stages.0.steps=3" in CliRunner().invoke(app, ["train", "--help"], terminal_width=200).output
+
+
+def _alerting_config(tmp_path: Path, model_dir: Path) -> Path:
+    """A run whose every step alerts (any rollout cut by the length limit) and that stops on the second."""
+    data = tmp_path / "problems.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+            for i in range(4)
+        )
+    )
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model_dir),
+                "output_dir": str(tmp_path / "runs"),
+                "run_name": "r",
+                "engine": {"backend": "hf", "device": "cpu", "max_model_len": 1024},
+                "agent": {"max_turns": 1, "max_response_tokens": 4},
+                "sandbox": {"mode": "inprocess", "slots": 1},
+                "reward": {"workers": 1},
+                "algorithm": {"prompts_per_step": 1, "group_size": 2},
+                "optim": {"device": "cpu", "lr": 1e-4},
+                "stages": [{"steps": 5, "data": str(data)}],
+                "checkpoint": {"every": 1},
+                "logging": {
+                    "tensorboard": False,
+                    "alert_action": "stop",
+                    "alert_stop_after": 2,
+                    "alert_length_limit_share": 1e-6,
+                },
+            }
+        )
+    )
+    return config
+
+
+@pytest.mark.timeout(900)  # two short training runs on a loaded 2-core machine
+def test_a_run_stopped_by_its_alerts_says_what_alerted_and_the_command_that_goes_on(tiny_model_dir, tmp_path):
+    """logging.alert_action=stop: no traceback, a non-zero exit, what alerted, that no checkpoint came
+    before the alerts (step 1's was written while they went on), and a command that runs."""
+    config = _alerting_config(tmp_path, tiny_model_dir)
+    done = _tirl("train", "--config", str(config), "seed=3")
+    assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()[-3:]
+    run_dir = tmp_path / "runs" / "r"
+    assert (
+        lines[0].startswith(
+            f"error: training stopped (logging.alert_action=stop) after alerts on steps 1-2 of {run_dir}: "
+        )
+        and "of rollouts hit the length limit" in lines[0]
+    ), done.stderr[-3000:]
+    assert lines[1].startswith(f"no checkpoint was written before step 1: start over from {tiny_model_dir}")
+    again = f"tirl train --config {config} seed=3 run_name=r-retry optim.lr=5e-05"
+    assert lines[2] == f"  {again}", lines
+    assert (run_dir / "checkpoints" / "step_000001").is_dir()  # written during the alerts: not offered
+    # The command it gives runs (and, on these settings, stops the same way, in its own directory).
+    done = _tirl(*shlex.split(again)[1:])
+    assert done.returncode == 1 and "after alerts on steps 1-2 of " in done.stderr, done.stderr[-3000:]
+    assert (tmp_path / "runs" / "r-retry" / "checkpoints" / "step_000001").is_dir()
+
+
+def test_a_stopped_run_with_a_checkpoint_before_the_alerts_goes_on_from_it(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The stop after a clean stretch: the newest checkpoint before the first alerting step is offered
+    (not step 16's, written while the alerts went on), as the model of a new run."""
+    from typer.testing import CliRunner
+
+    import tirl.rl.trainer
+    from tirl.cli import app
+    from tirl.rl.metrics import TrainingStopped
+
+    config = _alerting_config(tmp_path, tiny_model_dir)  # the run itself is stood in for below
+    run_dir = tmp_path / "runs" / "r"
+
+    def stopped_at_17(cfg, resume: bool, progress: bool):
+        for step in (5, 10, 16):
+            (run_dir / "checkpoints" / f"step_{step:06d}" / "model").mkdir(parents=True)
+        alerts = {16: ["approx KL 0.300 per token"], 17: ["approx KL 0.400 per token", "TIS truncated 9%"]}
+        rows = [{"step": s, **({"alerts": alerts[s]} if s in alerts else {})} for s in range(1, 18)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        raise TrainingStopped("stopped by logging.alert_action=stop after alerts on steps 16-17")
+
+    monkeypatch.setattr(tirl.rl.trainer, "run_training", stopped_at_17)
+    done = CliRunner().invoke(app, ["train", "--config", str(config), "optim.lr=1e-6"], terminal_width=400)
+    good = run_dir / "checkpoints" / "step_000010"
+    assert done.exit_code == 1 and "Traceback" not in done.output, done.output
+    assert (
+        f"after alerts on steps 16-17 of {run_dir}: approx KL 0.400 per token; TIS truncated 9%\n"
+        f"the last good checkpoint is {good}: go on from it with half the learning rate"
+    ) in done.output
+    assert (
+        f"  tirl train --config {config} optim.lr=1e-6 model={good} run_name=r-from-step_000010 optim.lr=5e-07"
+    ) in done.output

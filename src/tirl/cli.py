@@ -346,12 +346,12 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(2) from None
 
 
-def _echo_main(text: str) -> None:
+def _echo_main(text: str, err: bool = False) -> None:
     """Print once under torchrun (rank 0), as in a single process."""
     import os
 
     if os.environ.get("RANK", "0") == "0":
-        typer.echo(text)
+        typer.echo(text, err=err)
 
 
 @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
@@ -404,6 +404,7 @@ def _run_from_config(
     """Load a YAML config with dotted overrides and run a training job on it; config errors exit 2.
     `check(cfg, resume)` finds what the config alone decides before anything starts; its warnings print."""
     from tirl.config import ConfigError, load_config
+    from tirl.rl.metrics import TrainingStopped
     from tirl.runtime.ray_cluster import ClusterError
 
     cfg = None
@@ -414,11 +415,46 @@ def _run_from_config(
         run_dir = runner(cfg, resume=resume, progress=progress)
     except (ConfigError, FileNotFoundError, ClusterError) as e:
         _fail(e)
+    except TrainingStopped as e:
+        _alert_stopped(e, cfg, command, config, overrides)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         if cfg is not None:
             _interrupted(cfg, command, config, overrides)
         raise typer.Exit(130) from None
     _echo_main(f"run: {run_dir}")
+
+
+def _alert_stopped(e: Exception, cfg, command: str, config: str, overrides: list[str]) -> None:
+    """After logging.alert_action=stop ended a run: what alerted, the last good checkpoint and the
+    command that trains on from it (a new run: --resume would take the newest checkpoint, which may
+    be one of the alerting steps', and keep the learning rate the checkpoint's scheduler holds)."""
+    import shlex
+
+    from tirl.rl.metrics import final_alert_streak, last_good_checkpoint
+
+    streak = final_alert_streak(cfg.run_dir)
+    if streak is None:  # not in the run's metrics: the trainer's own account
+        _echo_main(f"error: {e}", err=True)
+        return
+    first, last, alerts = streak
+    steps = f"step {last}" if first == last else f"steps {first}-{last}"
+    good = last_good_checkpoint(cfg.run_dir, first)
+    again = ["tirl", command, "--config", config, *overrides]
+    if good is None:
+        where = f"no checkpoint was written before step {first}: start over from {cfg.model}"
+        again.append(f"run_name={cfg.run_name}-retry")
+    else:
+        where = f"the last good checkpoint is {good}: go on from it"
+        again += [f"model={good}", f"run_name={cfg.run_name}-from-{good.name}"]
+    again.append(f"optim.lr={cfg.optim.lr / 2:g}")
+    _echo_main(
+        f"error: training stopped (logging.alert_action=stop) after alerts on {steps} of {cfg.run_dir}: "
+        f"{'; '.join(alerts)}\n"
+        f"{where} with half the learning rate (or an off-policy correction; logging.alert_action=warn only "
+        f"warns):\n  {shlex.join(again)}",
+        err=True,
+    )
 
 
 def _interrupted(cfg, command: str, config: str, overrides: list[str]) -> None:

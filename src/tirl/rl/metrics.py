@@ -208,21 +208,42 @@ class AlertMonitor:
 
 def stop_message(run_dir: Path, step: int, first_alert_step: int, alerts: list[str]) -> str:
     """Why the run stopped, and the newest checkpoint written before the alerting steps began."""
-    from tirl.rl.checkpoint import list_checkpoints
-
-    good = [path for n, path in list_checkpoints(run_dir) if n < first_alert_step]
+    good = last_good_checkpoint(run_dir, first_alert_step)
     where = (
-        f"The last good checkpoint is {good[-1]} (step {first_alert_step - 1} or earlier); start a new run "
-        f"from its model/ (model={good[-1] / 'model'}) with a smaller lr or an off-policy correction"
+        f"The last good checkpoint is {good} (step {first_alert_step - 1} or earlier); start a new run "
+        f"from its model/ (model={good / 'model'}) with a smaller lr or an off-policy correction"
         if good
-        else "No checkpoint was written before the alerts began (checkpoint.every is larger than the run so "
-        "far): restart from the initial model with a smaller lr or an off-policy correction"
+        else "No checkpoint was written before the alerts began: restart from the initial model with a "
+        "smaller lr or an off-policy correction"
     )
     steps = f"step {step}" if first_alert_step == step else f"steps {first_alert_step}-{step}"
     return (
         f"stopped by logging.alert_action=stop after alerts on {steps}: {'; '.join(alerts)}. {where}. "
         "Set logging.alert_action=warn to only warn."
     )
+
+
+def last_good_checkpoint(run_dir: Path, first_alert_step: int) -> Path | None:
+    """The newest checkpoint written before the alerting steps began (None: there is none)."""
+    from tirl.rl.checkpoint import list_checkpoints
+
+    good = [path for n, path in list_checkpoints(run_dir) if n < first_alert_step]
+    return good[-1] if good else None
+
+
+def final_alert_streak(run_dir: Path) -> tuple[int, int, list[str]] | None:
+    """The alerting steps metrics.jsonl ends with (what `alert_action=stop` stopped on): the first and the
+    last step, and the last step's alerts; None when the last logged step raised no alert."""
+    steps: dict[int, list[str]] = {}
+    for record in read_metrics(run_dir):  # a resumed run re-logs redone steps: the newest line counts
+        steps[record["step"]] = record.get("alerts", [])
+    last = max(steps, default=None)
+    if last is None or not steps[last]:
+        return None
+    first = last
+    while steps.get(first - 1):
+        first -= 1
+    return first, last, steps[last]
 
 
 class MetricsLogger:
