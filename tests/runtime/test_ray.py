@@ -532,14 +532,16 @@ def test_colocate_puts_engine_i_and_trainer_rank_i_on_one_gpu(cluster, tiny_mode
 
 @pytest.mark.timeout(600)  # a hang guard: four actors load the model, slow on a loaded machine
 def test_disaggregated_engines_and_trainer_ranks_get_separate_gpus(cluster, tiny_model_dir, tmp_path):
-    """cluster.colocate=false: engines in a group of their own spread over both nodes, trainer ranks in
-    another; no trainer rank is given a GPU an engine holds."""
+    """cluster.colocate=false: trainer ranks in a group of their own, packed and placed first, so both
+    share one node (2 GPUs each); the engines in another, spread over what is left: the other node. No
+    trainer rank is given a GPU an engine holds."""
     groups, engines, trainer = _placed(cluster, tiny_model_dir, tmp_path, colocate=False)
     strategies = {table["strategy"]: pg for pg, table in groups.items()}
     assert sorted(strategies) == ["PACK", "SPREAD"]
     assert all(e["placement_group"] == strategies["SPREAD"] for e in engines)
     assert all(t["placement_group"] == strategies["PACK"] for t in trainer)
-    assert len({e["node"] for e in engines}) == 2  # one engine per node
+    [trainer_node] = {t["node"] for t in trainer}  # both ranks on one node
+    assert trainer_node not in {e["node"] for e in engines}  # the engines on the other
     engine_gpus = {(e["node"], g) for e in engines for g in e["gpu_ids"]}
     trainer_gpus = {(t["node"], g) for t in trainer for g in t["gpu_ids"]}
     assert len(engine_gpus) == len(trainer_gpus) == 2 and not engine_gpus & trainer_gpus

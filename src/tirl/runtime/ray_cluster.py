@@ -199,7 +199,8 @@ def _placement_group(ray, what: str, bundle: dict[str, float], count: int, strat
 @contextmanager
 def open_placement(cluster: ClusterConfig, num_engines: int, trainer_ranks: int = 0) -> Iterator[Placement]:
     """Reserve the bundles of `num_engines` engine actors and `trainer_ranks` trainer workers
-    (cluster.colocate: shared, one per rank; else separate groups); released on exit."""
+    (cluster.colocate: shared, one per rank; else separate groups, the trainer's packed and placed
+    first, the engines' spread); released on exit."""
     ray = connect(cluster, num_engines, trainer_ranks)
     check_cluster_cpus(ray, cluster, num_engines, trainer_ranks)
     groups: list[Any] = []
@@ -215,16 +216,21 @@ def open_placement(cluster: ClusterConfig, num_engines: int, trainer_ranks: int 
             engines = [Slot(groups[0], i, engine_takes) for i in range(num_engines)]
             trainer = [Slot(groups[0], r, trainer_takes) for r in range(trainer_ranks)]
         else:
-            groups.append(
-                _placement_group(ray, "engines", cluster.engines.as_bundle(), num_engines, "SPREAD")
-            )
-            engines = [Slot(groups[0], i, cluster.engines) for i in range(num_engines)]
+            # The trainer ranks first, packed: their collectives run every step, so they get a node's
+            # devices together before the engines spread over what is left (placed first, SPREAD would
+            # take a device on every node and split the ranks over nodes).
             trainer = []
             if trainer_ranks:
-                groups.append(
-                    _placement_group(ray, "trainer", cluster.trainer.as_bundle(), trainer_ranks, "PACK")
+                trainer_group = _placement_group(
+                    ray, "trainer", cluster.trainer.as_bundle(), trainer_ranks, "PACK"
                 )
-                trainer = [Slot(groups[1], r, cluster.trainer) for r in range(trainer_ranks)]
+                groups.append(trainer_group)
+                trainer = [Slot(trainer_group, r, cluster.trainer) for r in range(trainer_ranks)]
+            engine_group = _placement_group(
+                ray, "engines", cluster.engines.as_bundle(), num_engines, "SPREAD"
+            )
+            groups.append(engine_group)
+            engines = [Slot(engine_group, i, cluster.engines) for i in range(num_engines)]
         yield Placement(engines, trainer, groups)
     finally:
         for pg in groups:
