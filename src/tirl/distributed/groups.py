@@ -160,10 +160,18 @@ def barrier(info: DistInfo) -> None:
 # calls work in a single process, where DCP runs without a process group.
 
 
-def _training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+) -> dict[str, Any]:
+    """The weights (with `trainable_only`, those that train: a LoRA run's adapters, not its frozen
+    base) and the optimizer state."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    weights = get_model_state_dict(model)
+    if trainable_only:
+        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        weights = {k: v for k, v in weights.items() if k in names}
+    return {"model": weights, "optim": get_optimizer_state_dict(model, optimizer)}
 
 
 @contextmanager
@@ -176,24 +184,33 @@ def _single_process_is_intended() -> Iterator[None]:
         yield
 
 
-def save_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_sharded(
+    path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+) -> None:
     """Write this rank's shards of the weights and optimizer state under `path` (a collective)."""
     import torch.distributed.checkpoint as dcp
 
     with _single_process_is_intended():
-        dcp.save(_training_state(model, optimizer), checkpoint_id=str(path))
+        dcp.save(_training_state(model, optimizer, trainable_only), checkpoint_id=str(path))
 
 
-def load_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(
+    path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+) -> None:
     """Read this rank's shards back into the model and optimizer (a collective); with the same world
-    size each rank reads exactly the files it wrote."""
+    size each rank reads exactly the files it wrote. `trainable_only`: the checkpoint holds only the
+    trained weights (LoRA); the others stay as loaded."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    state = _training_state(model, optimizer)  # the shapes and shardings to read into
+    state = _training_state(model, optimizer, trainable_only)  # the shapes and shardings to read into
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not trainable_only))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 

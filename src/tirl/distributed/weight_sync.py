@@ -130,10 +130,26 @@ def plan_buckets(entries: list[Entry], bucket_bytes: int, whole_layers: bool = T
     return buckets
 
 
-def plan_entries(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Entry]:
-    """What travels: every named parameter (a tied one once), floating ones in the engine's dtype."""
+@dataclass(frozen=True)
+class Lazy:
+    """A tensor made only when its bucket is packed (a LoRA layer's merged weight, tirl.rl.lora): its
+    shape and dtype for the plan; `make` may run collectives (every FSDP rank calls it, in plan order)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+
+Source = torch.Tensor | Lazy
+
+
+def plan_entries(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, tensors: dict[str, Source] | None = None
+) -> list[Entry]:
+    """What travels: every named parameter (a tied one once), or `tensors` when given; floating ones
+    in the engine's dtype."""
     out = []
-    for name, p in model.named_parameters():
+    for name, p in (tensors if tensors is not None else dict(model.named_parameters())).items():
         wire = dtype if dtype is not None and p.dtype.is_floating_point else p.dtype
         out.append(Entry(name, tuple(p.shape), str(wire)))
     return out
@@ -164,12 +180,14 @@ def broadcast_pickled(pg: dist.ProcessGroup, obj: object | None, device: torch.d
     return pickle.loads(buf.cpu().numpy().tobytes())
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
+def _full(param: Source) -> torch.Tensor:
     """The whole parameter (an all-gather over the FSDP ranks when it is a DTensor shard)."""
+    if isinstance(param, Lazy):
+        return param.make()
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
-def _pack(buf: torch.Tensor | None, bucket: list[Entry], params: dict[str, torch.Tensor]) -> None:
+def _pack(buf: torch.Tensor | None, bucket: list[Entry], params: dict[str, Source]) -> None:
     """Each parameter gathered and cast into its slot of `buf`: one copy, no staging tensor. Every
     FSDP rank runs the gathers (collectives) even where only rank 0 has a buffer."""
     offset = 0
@@ -187,12 +205,14 @@ def send_weights(
     device: torch.device,
     dtype: torch.dtype | None = None,
     whole_layers: bool = True,
+    tensors: dict[str, Source] | None = None,
 ) -> dict[str, float]:
     """Trainer side; every FSDP rank calls it (the gathers are collectives), rank 0 passes `pg`.
-    `dtype`: the engines' (floating parameters travel in it: half the bytes of fp32 for bf16)."""
+    `dtype`: the engines' (floating parameters travel in it: half the bytes of fp32 for bf16).
+    `tensors`: what to send instead of the model's parameters (LoRA: the merged adapted layers)."""
     start = time.perf_counter()
-    params = dict(model.named_parameters())
-    buckets = plan_buckets(plan_entries(model, dtype), bucket_bytes, whole_layers)
+    params = tensors if tensors is not None else dict(model.named_parameters())
+    buckets = plan_buckets(plan_entries(model, dtype, params), bucket_bytes, whole_layers)
     if pg is not None:
         broadcast_pickled(pg, buckets, device)
     sent = peak = 0

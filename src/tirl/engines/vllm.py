@@ -129,7 +129,15 @@ class WeightSyncExtension:
                     # parameter list names the tied tensor once, so the head would keep old weights.
                     yield "lm_head.weight", t
 
-        runner.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        # A partial sync (LoRA: only the adapted layers) leaves the other layers as they are; vLLM's
+        # layerwise reload warns "Failed to load weights" for each of them: expected here, not news.
+        quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            runner.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        finally:
+            quiet.setLevel(level)
         return count
 
     def tirl_load_flat(self, path: str, nbytes: int, plan: list[FlatEntry]) -> int:

@@ -4,9 +4,11 @@ Layout: <run_dir>/checkpoints/step_000050/{shards/, model/, trainer_state.pt}. s
 torch.distributed.checkpoint directory (fp32 weights and AdamW moments, each rank writing and reading
 only its own shards: nothing is gathered and no rank reads another's optimizer state); model/ is a
 Hugging Face model (safetensors, fp32) streamed tensor by tensor from the shards, for engines, eval and
-the next stage; trainer_state.pt holds only counters, schedule, RNG and sampler positions. A checkpoint is built in a
-hidden temp directory and renamed into place, so a kill mid-save leaves the previous one intact.
-model/ also holds `tirl_agent.yaml`, the agent settings the run used (prompt, tool schema, template,
+the next stage; trainer_state.pt holds only counters, schedule, RNG and sampler positions. A LoRA
+run's checkpoint holds adapter/ (the peft adapter, naming its base model) instead of model/, and
+shards/ only the adapter and its optimizer; its plain HF model is merged on first use
+(checkpoint_model_dir, tirl.rl.lora). A checkpoint is built in a hidden temp directory and renamed
+into place, so a kill mid-save leaves the previous one intact. model/ also holds `tirl_agent.yaml`, the agent settings the run used (prompt, tool schema, template,
 budgets): `tirl eval` and `tirl chat` default to them, since a model only works with the protocol it
 was trained on.
 """
@@ -84,15 +86,22 @@ def staging_path(run_dir: Path, step: int, tag: str) -> Path:
 
 
 def finish_checkpoint(
-    run_dir: Path, step: int, tmp: Path, tokenizer, trainer_state: dict, keep_last: int
+    run_dir: Path,
+    step: int,
+    tmp: Path,
+    tokenizer,
+    trainer_state: dict,
+    keep_last: int,
+    model_dir: str = "model",
 ) -> Path:
     """Add the tokenizer, trainer state (with the RNGs) and agent settings to a staged checkpoint whose
-    model/ is written, move it into place atomically and prune all but the newest keep_last (rank 0)."""
+    model/ (a LoRA run's: adapter/) is written, move it into place atomically and prune all but the
+    newest keep_last (rank 0)."""
     final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / model_dir)
     torch.save({**trainer_state, "rng": rng_states()}, tmp / "trainer_state.pt")
-    _copy_agent_settings(Path(run_dir) / "config.yaml", tmp / "model" / AGENT_FILE)
+    _copy_agent_settings(Path(run_dir) / "config.yaml", tmp / model_dir / AGENT_FILE)
     if final.exists():  # re-saving a step (e.g. a resumed run): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -165,6 +174,17 @@ def latest_model_dir(run_dir: Path) -> Path:
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint under {run_dir}/checkpoints")
+    return checkpoint_model_dir(ckpt)
+
+
+def checkpoint_model_dir(ckpt: Path) -> Path:
+    """A checkpoint's plain HF model: its model/, or for a LoRA checkpoint (adapter/ + the base it
+    names) the adapter merged into its base, written once to merged/ beside it (tirl.rl.lora)."""
+    from tirl.rl.lora import ADAPTER_DIR, is_adapter_dir, merged_model_dir
+
+    ckpt = Path(ckpt)
+    if not (ckpt / "model").is_dir() and is_adapter_dir(ckpt / ADAPTER_DIR):
+        return merged_model_dir(ckpt)
     return ckpt / "model"
 
 
@@ -172,11 +192,17 @@ def resolve_model_path(path: str) -> str:
     """A tirl run directory means its newest checkpoint's model; a checkpoint directory its model/;
     a model directory or a Hugging Face id (org/name) is returned as given. A local path that does not
     exist is a FileNotFoundError here, not a hub lookup that fails (offline) after retries."""
+    from tirl.rl.lora import ADAPTER_DIR, is_adapter_dir, merge_adapter, merged_model_dir
+
     p = Path(path).expanduser()
     if (p / "checkpoints").is_dir():
         return str(latest_model_dir(p))
     if (p / "model" / "config.json").is_file():
         return str(p / "model")
+    if is_adapter_dir(p / ADAPTER_DIR):  # a LoRA checkpoint
+        return str(merged_model_dir(p))
+    if is_adapter_dir(p) and not (p / "config.json").is_file():  # a peft adapter directory
+        return str(merge_adapter(p, p.with_name(p.name + "-merged")))
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(

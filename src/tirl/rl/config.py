@@ -147,6 +147,33 @@ class AlgorithmConfig(_Strict):
         return self.group_size if self.roc == "off" else self.group_size * self.oversample
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters (peft, `pip install 'tirl[lora]'`): only the adapters train, the base stays frozen
+    (bf16 on GPUs); the engines get the merged weights of the adapted layers after every step
+    (docs/lora.md)."""
+
+    enabled: bool = False
+    rank: int = 16  # r
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapter's input; SFT only (RL needs exact log-probs)
+    # Leaf module names (q_proj, v_proj, ...) or "all-linear" (every linear layer but the output head);
+    # checked against the model's real modules before a run starts.
+    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], min_length=1)
+    init_seed: int = 0  # the adapters' initialization (A random, B zero): the same in every run
+
+    @field_validator("rank")
+    @classmethod
+    def _positive_rank(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"the LoRA rank must be a positive integer (8, 16, 64, ...), got {v}")
+        return v
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, v: Any) -> Any:
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+
 class OptimConfig(_Strict):
     lr: float = 1e-6
     schedule: Literal["constant", "cosine"] = "constant"
@@ -160,6 +187,7 @@ class OptimConfig(_Strict):
     gradient_checkpointing: bool = False
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 compute on GPU, fp32 on CPU
     device: str = "auto"
+    lora: LoraConfig = LoraConfig()  # optim.lora.enabled=true trains LoRA adapters only
 
 
 class StageConfig(_Strict):
@@ -258,6 +286,16 @@ class TrainConfig(_Strict):
             "or turn the correction off with algorithm.tis_cap=null"
             + (" (uncorrected async updates are biased: a warning says more)" if alg.async_ else "")
         )
+
+    @model_validator(mode="after")
+    def _lora_is_deterministic(self) -> TrainConfig:
+        lora = self.optim.lora
+        if lora.enabled and lora.dropout > 0:
+            raise ValueError(
+                f"optim.lora.dropout={lora.dropout}: RL needs dropout off (the ratio pi / pi_old and the engine "
+                "log-prob gap compare deterministic log-probs); set optim.lora.dropout=0 (dropout is for tirl sft)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _colocation_fits(self) -> TrainConfig:

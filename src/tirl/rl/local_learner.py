@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tirl.distributed.groups import DistInfo, full_model_state
+from tirl.rl.lora import merged_tensors
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.update import grpo_update
 
@@ -36,10 +37,25 @@ class LocalLearner:
         return metrics | {"train/lr": self.policy.lr}
 
     def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
+        if self.policy.lora:
+            return self._sync_merged(runtime)
         state = full_model_state(self.policy.model, self.info)  # a collective under FSDP
         if runtime is not None:
             runtime.load_weights((k, v) for k, v in state.items() if k in self.sync_names)
         return {}
+
+    def _sync_merged(self, runtime: Runtime | None) -> dict[str, float]:
+        """LoRA: the engines get the merged weights of the layers the adapters touch (W + s B A under
+        the base names; tirl.rl.lora.merged_tensors), nothing else: the rest of the base never changes."""
+        pairs, nbytes = [], 0
+        for name, lazy in merged_tensors(self.policy.model):
+            tensor = lazy.make()  # an all-gather under FSDP: every rank makes every tensor
+            if runtime is not None:
+                pairs.append((name, tensor.cpu()))
+                nbytes += tensor.numel() * tensor.element_size()
+        if runtime is not None:
+            runtime.load_weights(pairs)
+        return {"sync/tensors": float(len(pairs)), "sync/bytes": float(nbytes)}
 
     def offload(self, what: str = "all") -> bool:
         """Colocated engines run in this rank's GPU memory meanwhile: the optimizer state ("optimizer",

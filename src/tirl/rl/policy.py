@@ -28,7 +28,8 @@ from tirl.distributed.groups import (
     shard_model,
 )
 from tirl.rl.checkpoint import finish_checkpoint, set_rng_states, staging_dir, staging_path
-from tirl.rl.config import OptimConfig
+from tirl.rl.config import LoraConfig, OptimConfig
+from tirl.rl.lora import ADAPTER_DIR, save_adapter
 from tirl.rl.losses import PolicyInputs, chunked_logprobs, head_chunk_tokens
 
 
@@ -212,10 +213,27 @@ def _restore_computed_buffers(model: torch.nn.Module, device: torch.device) -> N
             module._buffers[name] = fresh._buffers[name].to(device)
 
 
+def _with_lora(model: torch.nn.Module, lora: LoraConfig, bf16: bool) -> torch.nn.Module:
+    """The adapters injected (optim.lora.enabled) and everything else frozen: in bf16 when the run
+    computes in bf16 (the base never trains, so it needs no fp32 master copy); the adapters stay fp32."""
+    if not lora.enabled:
+        return model
+    from tirl.rl.lora import apply_lora
+
+    apply_lora(model, lora)
+    if bf16:
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    return model
+
+
 def build_sharded_model(model_path: str, optim: OptimConfig, info: DistInfo, bf16: bool) -> torch.nn.Module:
     """The policy model under FSDP2 without ever holding it whole on an accelerator: built on the meta
     device, sharded, given storage for this rank's shards only, then filled from the checkpoint, which
-    rank 0 alone reads from disk (once per run, on the host) and broadcasts shard by shard."""
+    rank 0 alone reads from disk (once per run, on the host) and broadcasts shard by shard. With LoRA the
+    adapters are injected on the meta device and into rank 0's host copy alike (the same names), and
+    rank 0's freshly initialized adapters are what every rank starts from."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -225,10 +243,11 @@ def build_sharded_model(model_path: str, optim: OptimConfig, info: DistInfo, bf1
         raise FileNotFoundError(f"cannot load the policy model from {model_path!r}: {e}") from e
     with torch.device("meta"):
         model = _prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32), optim)
+        _with_lora(model, optim.lora, bf16)
     shard_model(model, info, bf16)
     model.to_empty(device=info.device)
     _restore_computed_buffers(model, info.device)
-    full = _load_full_model(model_path).state_dict() if info.is_main else {}
+    full = _with_lora(_load_full_model(model_path), optim.lora, False).state_dict() if info.is_main else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
     return model
@@ -239,10 +258,14 @@ class Policy:
         self.info, self.optim_cfg = info, optim
         self.device = info.device
         self.bf16 = resolve_dtype(optim.dtype, self.device) == torch.bfloat16
+        # with LoRA: the frozen base its adapter checkpoints name (absolute, when a local directory)
+        self.model_path = str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
+        self.lora = optim.lora.enabled
         if info.enabled:
             self.model = build_sharded_model(model_path, optim, info, self.bf16)
         else:  # one process: nothing to shard, the model is this process's to place
-            self.model = _prepare(_load_full_model(model_path), optim).to(self.device)
+            model = _prepare(_load_full_model(model_path), optim)
+            self.model = _with_lora(model, optim.lora, self.bf16).to(self.device)
         self.pad_id = self.model.config.pad_token_id or 0
         self.total_steps = total_steps
         self.reference: torch.nn.Module | None = None
@@ -254,12 +277,16 @@ class Policy:
         o = self.optim_cfg
         self.total_steps = total_steps or self.total_steps
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
+            self.trainable_parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
         )
         warmup = round(o.warmup_ratio * self.total_steps) if o.warmup_ratio is not None else o.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.total_steps, warmup, o.schedule, o.min_lr_ratio)
         )
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: every parameter, or with LoRA the adapters only."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     @property
     def lr(self) -> float:
@@ -267,7 +294,7 @@ class Policy:
 
     def step(self) -> float:
         """Clip, apply and clear the accumulated gradients; returns the pre-clip grad norm."""
-        norm = clip_grad_norm(list(self.model.parameters()), self.optim_cfg.grad_clip, self.info)
+        norm = clip_grad_norm(self.trainable_parameters(), self.optim_cfg.grad_clip, self.info)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
@@ -341,11 +368,15 @@ class Policy:
             staging_dir(run_dir, step, "shards")  # one directory all ranks write into
         barrier(self.info)
         tmp = staging_path(run_dir, step, "shards")
-        save_sharded(tmp / "shards", self.model, self.optimizer)
-        export_hf_model(self.model, tmp / "model", self.info)
+        save_sharded(tmp / "shards", self.model, self.optimizer, trainable_only=self.lora)
+        if self.lora:  # the adapter (small) and the base it names, not the whole model
+            save_adapter(self.model, tmp / ADAPTER_DIR, self.model_path, self.info.is_main)
+        else:
+            export_hf_model(self.model, tmp / "model", self.info)
         if self.info.is_main:
             state = {**trainer_state, "scheduler": self.scheduler.state_dict()}
-            finish_checkpoint(run_dir, step, tmp, tokenizer, state, keep_last)
+            model_dir = ADAPTER_DIR if self.lora else "model"
+            finish_checkpoint(run_dir, step, tmp, tokenizer, state, keep_last, model_dir=model_dir)
         barrier(self.info)
 
     def restore(self, saved: dict) -> None:
@@ -355,6 +386,7 @@ class Policy:
         if "optimizer" in saved:  # a checkpoint from before sharded checkpoints: the full state, pickled
             load_full_optimizer_state(self.model, self.optimizer, saved["optimizer"], self.info)
         else:
-            load_sharded(Path(saved["checkpoint"]) / "shards", self.model, self.optimizer)
+            shards = Path(saved["checkpoint"]) / "shards"
+            load_sharded(shards, self.model, self.optimizer, trainable_only=self.lora)
         self.scheduler.load_state_dict(saved["scheduler"])
         set_rng_states(saved["rng"])

@@ -8,13 +8,20 @@ from __future__ import annotations
 from tirl.agent.protocol import check_context
 from tirl.config import ConfigError
 from tirl.data import DataError, load_problems
-from tirl.rl.checkpoint import agent_settings_warning, latest_checkpoint, resolve_model_path
+from tirl.rl.checkpoint import (
+    agent_settings_warning,
+    checkpoint_model_dir,
+    latest_checkpoint,
+    resolve_model_path,
+)
 from tirl.rl.config import StageConfig, TrainConfig
+from tirl.rl.lora import check_lora
 
 
 def preflight_train(cfg: TrainConfig, resume: bool = False) -> list[str]:
     """Raise ConfigError for what would fail later in `cfg`'s run; return warnings to print."""
     model_path = _model_path(cfg, resume)
+    check_lora(resolve_model_path(cfg.model) if resume else model_path, cfg.optim.lora)
     _check_cluster(cfg)
     from tirl.engines.tokenizer import load_tokenizer
 
@@ -36,7 +43,7 @@ def preflight_train(cfg: TrainConfig, resume: bool = False) -> list[str]:
 def _model_path(cfg: TrainConfig, resume: bool) -> str:
     """The model the run starts from: on --resume its newest checkpoint's, else cfg.model's."""
     ckpt = latest_checkpoint(cfg.run_dir) if resume else None
-    return str(ckpt / "model") if ckpt else resolve_model_path(cfg.model)
+    return str(checkpoint_model_dir(ckpt)) if ckpt else resolve_model_path(cfg.model)
 
 
 def _stage_agent(cfg: TrainConfig, stage: StageConfig):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port, send_weights
+from tirl.rl.lora import merged_tensors
 from tirl.runtime.base import Runtime
 from tirl.runtime.ray import RemoteEngine
 from tirl.runtime.ray_cluster import ClusterError, Placement, connect, node_ip, whereabouts
@@ -76,7 +77,10 @@ class TrainerWorker:
         on_gpu = channel is not None and channel.group.backend == "nccl"
         device = self.learner.policy.device if on_gpu else torch.device("cpu")
         wire = getattr(torch, dtype.removeprefix("torch.")) if dtype else None
-        return send_weights(self.learner.policy.model, pg, bucket_bytes, device, wire)
+        policy = self.learner.policy
+        # LoRA: the merged weights of the adapted layers only (tirl.rl.lora), under the base names
+        tensors = dict(merged_tensors(policy.model)) if policy.lora else None
+        return send_weights(policy.model, pg, bucket_bytes, device, wire, tensors=tensors)
 
 
 class RayLearner:

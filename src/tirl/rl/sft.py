@@ -23,6 +23,7 @@ from tirl.data.loaders import DataError, read_jsonl
 from tirl.distributed.groups import all_reduce, init_distributed, shutdown_distributed
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
 from tirl.rl.config import SFTConfig
+from tirl.rl.lora import check_lora
 from tirl.rl.losses import BatchCounts, token_mean
 from tirl.rl.metrics import MetricsLogger
 from tirl.rl.policy import Policy, TrainSample
@@ -123,6 +124,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path
         console = Console(stderr=True, quiet=not (progress and info.is_main))
         ckpt = prepare_run_dir(cfg.run_dir, cfg, resume, info.is_main, console.print)
         model_path = resolve_model_path(cfg.model)
+        check_lora(model_path, cfg.optim.lora)  # a bad adapter config fails before any work
         tokenizer = load_tokenizer(model_path)
         encoded = [tokenize_example(tokenizer, ex, cfg.max_length) for ex in read_examples(cfg.data)]
         samples = [s for s, _ in encoded if s.num_trained > 0]
@@ -130,7 +132,9 @@ def run_sft(cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path
             raise ConfigError("no SFT example has an assistant token to train on")
         per_epoch = math.ceil(len(samples) / cfg.batch_size)
         total = cfg.epochs * per_epoch
-        policy = Policy(str(ckpt / "model") if ckpt else model_path, cfg.optim, info, total)
+        # With LoRA the base stays the given model (a resumed run's adapter comes from its shards).
+        start_from = str(ckpt / "model") if ckpt and not cfg.optim.lora.enabled else model_path
+        policy = Policy(start_from, cfg.optim, info, total)
         start = 0
         if ckpt:
             saved = load_trainer_state(ckpt)

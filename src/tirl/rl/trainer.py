@@ -40,9 +40,15 @@ from tirl.engines.versions import EngineActivity, WeightVersions
 from tirl.rl import trajectory_sample
 from tirl.rl.advantages import resolve_advantage
 from tirl.rl.async_rollout import GroupProducer
-from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
+from tirl.rl.checkpoint import (
+    checkpoint_model_dir,
+    load_trainer_state,
+    prepare_run_dir,
+    resolve_model_path,
+)
 from tirl.rl.config import AlgorithmConfig, StageConfig, TrainConfig, uncorrected_async_message
 from tirl.rl.learner import Learner, open_learner
+from tirl.rl.lora import check_lora
 from tirl.rl.metrics import (
     AlertMonitor,
     MetricsLogger,
@@ -313,7 +319,11 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
     if state.stage >= len(cfg.stages):
         console.print(f"{cfg.run_dir}: all {len(cfg.stages)} stages are done")
         return cfg.run_dir
-    model_path = str(ckpt / "model") if ckpt else resolve_model_path(cfg.model)
+    model_path = str(checkpoint_model_dir(ckpt)) if ckpt else resolve_model_path(cfg.model)
+    # With LoRA the trainer always starts from the frozen base (a resumed run's adapter comes from its
+    # shards); the engines serve the merged model of the checkpoint.
+    policy_path = resolve_model_path(cfg.model) if cfg.optim.lora.enabled else model_path
+    check_lora(policy_path, cfg.optim.lora)
     if cfg.algorithm.kl_coef and (info.enabled or cfg.cluster.trainer.ranks > 1):
         raise ConfigError(
             "algorithm.kl_coef > 0 (a reference model) is supported in single-process runs only"
@@ -325,7 +335,7 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
     try:
         with open_cluster_placement(cfg.cluster, cfg.engine.num_engines) as placement:
             async with (
-                open_learner(cfg, model_path, info, cfg.stages[state.stage].steps, placement) as learner,
+                open_learner(cfg, policy_path, info, cfg.stages[state.stage].steps, placement) as learner,
                 open_main_runtime(cfg, model_path, info, placement) as runtime,
             ):
                 run = Run(cfg, info, learner, runtime, state, logger, _alert_monitor(cfg))

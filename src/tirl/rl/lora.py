@@ -1,0 +1,260 @@
+"""LoRA adapters on the policy (peft): which modules, injection, freezing, the merged weights the
+engines get, the adapter checkpoint and its merge into a plain Hugging Face model.
+
+peft injects its LoRA layers into the Hugging Face model in place (`inject_adapter_in_model`), so the
+policy stays the same model class with the same forward, head and decoder layers (FSDP2 shards it the
+same way); an adapted linear layer `x.q_proj` becomes `x.q_proj.base_layer` (frozen) plus
+`x.q_proj.lora_A.default` / `lora_B.default` (trained). The engines never see LoRA: after each step
+they get W + (alpha / r) B A of the adapted layers under the base model's names (`x.q_proj.weight`),
+computed fresh from the frozen base, so a sync never accumulates and a missed one shows as a gap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from tirl.config import ConfigError
+from tirl.distributed.weight_sync import Lazy
+from tirl.rl.config import LoraConfig
+
+INSTALL = "pip install 'tirl[lora]'"
+ALL_LINEAR = "all-linear"
+ADAPTER_DIR = "adapter"  # in a checkpoint: the peft adapter (adapter_config.json names the base)
+MERGED_DIR = "merged"  # in a checkpoint: the adapter merged into a plain HF model, made on first use
+HEAD = "lm_head"  # the chunked log-prob head (tirl.rl.policy.TokenHead) must stay a plain Linear
+
+
+def require_peft():
+    """The peft module, or one clear line saying how to get it."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(f"optim.lora.enabled=true needs peft: {INSTALL}") from None
+    return peft
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The leaf names (q_proj, down_proj, ...) of the model's linear layers, in order, once each."""
+    found: dict[str, None] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name:
+            found[name.rpartition(".")[2]] = None
+    return list(found)
+
+
+def resolve_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """optim.lora.target_modules as leaf names of the model's linear layers ("all-linear": all of them
+    but the output head); a name the model does not have is one ConfigError line listing those it has."""
+    names = linear_names(model)
+    adaptable = [n for n in names if n != HEAD]
+    kind = type(model).__name__
+    targets: list[str] = []
+    for t in lora.target_modules:
+        if t == ALL_LINEAR:
+            targets += adaptable
+        elif t == HEAD:
+            raise ConfigError(
+                f"optim.lora.target_modules: {HEAD} cannot be adapted (the trainer computes log-probs through "
+                f"its own chunked head); choose among {', '.join(adaptable)} or {ALL_LINEAR}"
+            )
+        elif t not in names:
+            raise ConfigError(
+                f"optim.lora.target_modules: {t!r} is not a linear module of {kind}; its linear modules are "
+                f"{', '.join(adaptable)} (or {ALL_LINEAR})"
+            )
+        else:
+            targets.append(t)
+    return list(dict.fromkeys(targets))
+
+
+def meta_model(model_path: str) -> torch.nn.Module:
+    """The model's architecture on the meta device: its real module names, no weights read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load the policy model from {model_path!r}: {e}") from e
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_lora(model_path: str, lora: LoraConfig) -> list[str]:
+    """Before anything starts: peft is installed and every target module exists (on the meta device);
+    the resolved leaf names. Nothing to check when LoRA is off."""
+    if not lora.enabled:
+        return []
+    require_peft()
+    return resolve_targets(meta_model(model_path), lora)
+
+
+def peft_config(lora: LoraConfig, targets: list[str]):
+    peft = require_peft()
+    return peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
+    )
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    """Inject the adapters in place (on any device, meta included) and freeze everything else."""
+    peft = require_peft()
+    with torch.random.fork_rng(devices=[]):  # the same initial adapter in every run (B = 0, A random)
+        torch.manual_seed(lora.init_seed)
+        peft.inject_adapter_in_model(peft_config(lora, resolve_targets(model, lora)), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_param(name))
+    if lora.dropout > 0:  # the policy runs in eval mode (no dropout in RL): SFT's adapter dropout on
+        for module in model.modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                module.lora_dropout.train()
+    return model
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    return any(is_adapter_param(n) for n, _ in model.named_parameters())
+
+
+def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, layer) of every adapted linear layer, in module order (the same on every FSDP rank)."""
+    peft = require_peft()
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.Linear)]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (an all-gather over the FSDP ranks when it is a DTensor shard)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def merged_weight(layer: torch.nn.Module, adapter: str = "default") -> torch.Tensor:
+    """W + scaling * B A of one adapted linear layer, in fp32, from the frozen base (a collective under
+    FSDP: every rank calls it)."""
+    base = _full(layer.base_layer.weight).float()
+    a = _full(layer.lora_A[adapter].weight).float()
+    b = _full(layer.lora_B[adapter].weight).float()
+    return base + layer.scaling[adapter] * (b @ a)
+
+
+# Linear layers vLLM fuses into one (qkv_proj, gate_up_proj): its in-place reload rebuilds a fused layer
+# from what arrives, so a sync that touches one member must carry all of them (an absent member would
+# be left uninitialized), even those without an adapter (their frozen base weight).
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def merged_tensors(model: torch.nn.Module) -> list[tuple[str, Lazy]]:
+    """What the engines need after a step, under the base model's names, each made on demand (one
+    layer at a time in memory; a collective under FSDP, called in this order on every rank): every
+    adapted layer's merged weight (`model.layers.0.self_attn.q_proj.weight`) and bias, and the frozen
+    weight and bias of each layer fused with one of them in vLLM."""
+    adapted = dict(lora_layers(model))
+    wanted: dict[str, None] = {}
+    for name in adapted:
+        parent, _, leaf = name.rpartition(".")
+        fused = next((group for group in FUSED if leaf in group), (leaf,))
+        for member in fused:
+            wanted[f"{parent}.{member}" if parent else member] = None
+    modules = dict(model.named_modules())
+    out: list[tuple[str, Lazy]] = []
+    for name in (n for n in modules if n in wanted):  # module order: the same on every rank
+        module = modules[name]
+        base = module.base_layer if name in adapted else module
+        shape = tuple(base.weight.shape)  # a DTensor's shape is the whole tensor's
+        if name in adapted:
+            out.append((f"{name}.weight", Lazy(shape, torch.float32, lambda m=module: merged_weight(m))))
+        else:
+            out.append((f"{name}.weight", Lazy(shape, torch.float32, lambda m=base: _frozen(m.weight))))
+        if getattr(base, "bias", None) is not None:
+            bias = Lazy(tuple(base.bias.shape), torch.float32, lambda m=base: _frozen(m.bias))
+            out.append((f"{name}.bias", bias))
+    return out
+
+
+@torch.no_grad()
+def _frozen(t: torch.Tensor) -> torch.Tensor:
+    return _full(t).detach().float()
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights under peft's saved names (`base_model.model.<module>.lora_A.weight`), whole
+    (a collective under FSDP); on every rank."""
+    out = {}
+    for name, p in model.named_parameters():
+        if is_adapter_param(name):
+            key = "base_model.model." + name.replace(".default.", ".")
+            out[key] = _full(p).detach().to("cpu", torch.float32).contiguous()
+    return out
+
+
+def save_adapter(model: torch.nn.Module, out_dir: Path, base: str, is_main: bool) -> None:
+    """The adapter as peft saves one (adapter_config.json naming the base model, adapter_model.safetensors):
+    `peft.PeftModel.from_pretrained(base_model, out_dir)` loads it. A collective under FSDP."""
+    from safetensors.torch import save_file
+
+    state = adapter_state(model)
+    if not is_main:
+        return
+    config = model.peft_config["default"]
+    config.base_model_name_or_path = str(base)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out_dir))
+    save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def adapter_base(adapter_dir: str | Path) -> str:
+    """The base model an adapter was trained on (adapter_config.json's base_model_name_or_path)."""
+    base = json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise FileNotFoundError(f"{adapter_dir}: adapter_config.json names no base model")
+    return str(base)
+
+
+def merge_adapter(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The adapter merged into its base: a plain Hugging Face model directory (fp32 safetensors, the
+    tokenizer and tirl's agent settings copied along), written atomically."""
+    peft = require_peft()
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    base_path = adapter_base(adapter_dir)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    except OSError as e:
+        raise FileNotFoundError(f"{adapter_dir}: cannot load its base model {base_path!r}: {e}") from e
+    merged = peft.PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    for f in adapter_dir.iterdir():  # tokenizer files, tirl_agent.yaml
+        if f.is_file() and not f.name.startswith("adapter_") and not (tmp / f.name).exists():
+            shutil.copy2(f, tmp / f.name)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def merged_model_dir(ckpt: str | Path) -> Path:
+    """A LoRA checkpoint's plain HF model: <ckpt>/merged, merged from <ckpt>/adapter on first use."""
+    ckpt = Path(ckpt)
+    out = ckpt / MERGED_DIR
+    if not (out / "config.json").is_file():
+        merge_adapter(ckpt / ADAPTER_DIR, out)
+    return out

@@ -1,0 +1,219 @@
+"""LoRA (tirl.rl.lora, peft): config checks before anything starts, adapter-only training with a frozen
+base, FSDP2 across two processes, the merged sync into the engines, adapter checkpoints and resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tirl.config import ConfigError, load_config
+from tirl.distributed.groups import DistInfo
+from tirl.rl.config import LoraConfig, OptimConfig, SFTConfig
+from tirl.rl.lora import check_lora, is_adapter_param
+
+pytest.importorskip("peft")
+
+WORKER = Path(__file__).with_name("lora_worker.py")
+CPU = DistInfo(0, 1, torch.device("cpu"))
+
+
+def _worker():
+    spec = importlib.util.spec_from_file_location("lora_worker", WORKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _policy(model_dir, **lora):
+    from tirl.rl.policy import Policy
+
+    cfg = LoraConfig(enabled=True, rank=4, alpha=8, **lora)
+    optim = OptimConfig(lr=2e-2, warmup_steps=0, micro_batch_tokens=256, device="cpu", lora=cfg)
+    return Policy(str(model_dir), optim, CPU, total_steps=10)
+
+
+# ---- config: one clear line before anything starts ----
+
+
+def test_rank_zero_is_a_clear_config_error(tmp_path):
+    path = tmp_path / "sft.yaml"
+    path.write_text("model: m\ndata: [x.jsonl]\n")
+    with pytest.raises(ConfigError, match=r"optim\.lora\.rank: .*positive integer.*got 0"):
+        load_config(SFTConfig, path, ["optim.lora.enabled=true", "optim.lora.rank=0"])
+    cfg = load_config(SFTConfig, path, ["optim.lora.target_modules=q_proj,v_proj"])
+    assert cfg.optim.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_target_modules_are_checked_against_the_real_model_on_the_meta_device(tiny_model_dir):
+    lora = LoraConfig(enabled=True, target_modules=["q_proj", "qproj"])
+    with pytest.raises(ConfigError) as e:
+        check_lora(str(tiny_model_dir), lora)
+    line = str(e.value)
+    assert "\n" not in line and "'qproj' is not a linear module of Qwen3ForCausalLM" in line
+    assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in line
+    with pytest.raises(ConfigError, match="lm_head cannot be adapted"):
+        check_lora(str(tiny_model_dir), LoraConfig(enabled=True, target_modules=["lm_head"]))
+    all_linear = check_lora(str(tiny_model_dir), LoraConfig(enabled=True))
+    assert all_linear == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert check_lora(str(tiny_model_dir), LoraConfig(enabled=False, target_modules=["nope"])) == []
+
+
+def test_rl_refuses_adapter_dropout(tmp_path):
+    from tirl.rl.config import TrainConfig
+
+    path = tmp_path / "train.yaml"
+    path.write_text("model: m\nstages: [{steps: 1, data: d}]\n")
+    with pytest.raises(ConfigError, match=r"optim\.lora\.dropout=0\.1: RL needs dropout off"):
+        load_config(TrainConfig, path, ["optim.lora.enabled=true", "optim.lora.dropout=0.1"])
+
+
+def test_a_missing_peft_is_one_line_naming_the_extra(monkeypatch, tiny_model_dir):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft -> ImportError
+    with pytest.raises(
+        ConfigError, match=r"^optim\.lora\.enabled=true needs peft: pip install 'tirl\[lora\]'$"
+    ):
+        check_lora(str(tiny_model_dir), LoraConfig(enabled=True))
+
+
+# ---- training: only the adapters move ----
+
+
+def _fixed(vocab: int, n: int = 6, seed: int = 0):
+    return _worker().fixed_samples(vocab, n=n, seed=seed)
+
+
+def test_adapter_only_parameters_train_and_the_base_does_not_move(tiny_model_dir):
+    from tirl.rl.config import AlgorithmConfig
+    from tirl.rl.update import grpo_update
+
+    policy = _policy(tiny_model_dir, target_modules=["all-linear"])
+    named = dict(policy.model.named_parameters())
+    trainable = {n for n, p in named.items() if p.requires_grad}
+    assert trainable and all(is_adapter_param(n) for n in trainable)
+    assert {id(p) for g in policy.optimizer.param_groups for p in g["params"]} == {
+        id(named[n]) for n in trainable
+    }
+    before = {n: p.detach().clone() for n, p in named.items()}
+    grpo_update(policy, _fixed(policy.model.config.vocab_size), AlgorithmConfig())
+    moved = {n for n, p in named.items() if not torch.equal(p, before[n])}
+    assert moved and moved <= trainable  # the base is bit-for-bit the same
+    assert any(".lora_B." in n for n in moved)  # B starts at zero: the adapter now changes the output
+
+
+# ---- FSDP2: two gloo processes train the adapter as one does; resume is exact ----
+
+
+@pytest.mark.slow  # two torchrun processes build, train, save and resume (~1 min on 2 busy cores)
+def test_two_fsdp2_processes_train_the_adapter_as_one_and_resume_exactly(tiny_model_dir, tmp_path):
+    single = _worker().run(str(tiny_model_dir), str(tmp_path / "one"))
+    out = tmp_path / "dist.json"
+    src = str(Path(__file__).parents[2] / "src")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*cmd, str(WORKER), str(tiny_model_dir), str(tmp_path / "two"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dist = json.loads(out.read_text())
+    assert dist["world"] == 2 and single["world"] == 1
+    assert dist["trainable"] == single["trainable"]
+    assert all(".lora_" in n for n in single["trainable"])
+    assert dist["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
+    assert dist["merged"].keys() == single["merged"].keys()
+    for name, value in single["merged"].items():
+        assert dist["merged"][name] == pytest.approx(value, rel=1e-5), name
+    for run in (single, dist):  # the resumed policy takes the same third step as the one that went on
+        assert run["resumed"] == run["continued"], run
+    # the checkpoint holds the adapter and its optimizer only, and names its base
+    ckpt = tmp_path / "two" / "checkpoints" / "step_000002"
+    assert not (ckpt / "model").exists()
+    config = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path(tiny_model_dir).resolve())
+    from tirl.rl.checkpoint import read_saved_training_state
+
+    saved = read_saved_training_state(ckpt)
+    assert saved["model"] and all(".lora_" in k for k in saved["model"])
+
+
+# ---- tirl sft with LoRA: adapter checkpoints, their merge, resume ----
+
+TEXT = {"text": "<reason>add</reason><answer>\\boxed{42}</answer>"}
+
+
+def _sft_config(model_dir, tmp_path, epochs: int) -> SFTConfig:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps(TEXT) + "\n" + json.dumps({"text": "<reason>x</reason>"}) + "\n")
+    lora = {"enabled": True, "rank": 4, "alpha": 16, "target_modules": "all-linear"}
+    return SFTConfig(
+        model=str(model_dir),
+        data=[str(data)],
+        output_dir=str(tmp_path),
+        run_name="sft",
+        epochs=epochs,
+        batch_size=2,
+        optim={"lr": 1e-2, "schedule": "constant", "warmup_ratio": 0.0, "device": "cpu", "lora": lora},
+        checkpoint={"every": 1, "keep_last": 3},
+        logging={"tensorboard": False},
+    )
+
+
+def test_sft_with_lora_saves_the_adapter_and_merges_it_into_a_plain_model(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tirl.rl.checkpoint import latest_checkpoint, resolve_model_path
+    from tirl.rl.metrics import read_metrics
+    from tirl.rl.sft import run_sft
+
+    run_dir = run_sft(_sft_config(tiny_model_dir, tmp_path, epochs=4), progress=False)
+    rows = read_metrics(run_dir)
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    ckpt = latest_checkpoint(run_dir)
+    adapter = ckpt / "adapter"
+    assert not (ckpt / "model").exists() and (adapter / "adapter_model.safetensors").is_file()
+    assert (adapter / "tokenizer.json").is_file()
+    # small: the adapter (and its optimizer) only
+    adapter_bytes = (adapter / "adapter_model.safetensors").stat().st_size
+    assert adapter_bytes < 0.2 * (Path(tiny_model_dir) / "model.safetensors").stat().st_size
+    # a run, a checkpoint and the adapter directory all resolve to the merged plain HF model
+    merged_dir = Path(resolve_model_path(str(run_dir)))
+    assert merged_dir == ckpt / "merged" and resolve_model_path(str(ckpt)) == str(merged_dir)
+    assert not any(".lora_" in k for k in AutoModelForCausalLM.from_pretrained(merged_dir).state_dict())
+    assert (merged_dir / "tokenizer.json").is_file()
+    # the merged model computes what base + adapter computes (peft's own loader reads our adapter)
+    ids = torch.tensor([[5, 17, 33, 2, 99, 7]])
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, str(adapter)).eval()(ids).logits
+        assert torch.allclose(merged(ids).logits, adapted, atol=1e-5)
+        assert not torch.allclose(adapted, plain, atol=1e-3)  # the adapter did learn something
+
+
+def test_sft_with_lora_resumes_exactly(tiny_model_dir, tmp_path):
+    from tirl.rl.metrics import read_metrics
+    from tirl.rl.sft import run_sft
+
+    whole = read_metrics(run_sft(_sft_config(tiny_model_dir, tmp_path / "a", epochs=4), progress=False))
+    first = _sft_config(tiny_model_dir, tmp_path / "b", epochs=4)
+    run_sft(first.model_copy(update={"epochs": 2}), progress=False)  # stops after step 2 ...
+    resumed = read_metrics(run_sft(first, resume=True, progress=False))  # ... and goes on to 4
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["train/loss"] for r in resumed] == [r["train/loss"] for r in whole]
