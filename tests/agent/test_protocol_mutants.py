@@ -314,6 +314,24 @@ def test_the_builtin_chatml_layout():
     assert build_prompt_text(plain, "Q", AgentConfig()).endswith("<|im_start|>assistant\n<reason>")
 
 
+def test_the_builtin_chatml_layout_puts_each_tools_schema_on_its_own_line():
+    from tirl.agent.tools import BUILTIN_TOOLS
+
+    names = list(BUILTIN_TOOLS)
+    assert len(names) >= 2
+    cfg = AgentConfig(tools=names, use_chat_template=False, system_prompt="S", user_prompt="U", prefill="")
+    schemas = tool_schemas(cfg)
+    assert [s["function"]["name"] for s in schemas] == names
+    text = build_prompt_text(CharTokenizer(None), "Q", cfg)
+    inner = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]
+    assert [json.loads(line) for line in inner.split("\n")] == list(schemas)
+    assert text == (
+        "<|im_start|>system\nS\n\n# Tools\n<tools>\n"
+        + "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+        + "\n</tools><|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_the_default_tool_and_schema_non_ascii_kept():
     assert TOOL_NAME == NAME and TOOL_SCHEMA["function"]["name"] == NAME
     tok = CharTokenizer(None)
