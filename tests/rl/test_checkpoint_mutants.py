@@ -24,6 +24,7 @@ from tirl.rl.checkpoint import (
     list_checkpoints,
     load_trainer_state,
     prepare_run_dir,
+    read_saved_training_state,
     resolve_model_path,
     rng_states,
     save_checkpoint,
@@ -247,3 +248,85 @@ def test_set_rng_states_ignores_a_cuda_state_without_cuda():
     want = random.random()
     set_rng_states({**state, "cuda": ["not a state"]} if not torch.cuda.is_available() else state)
     assert random.random() == want
+
+
+def test_a_trainer_state_written_on_a_gpu_loads_on_the_cpu_and_names_its_checkpoint(tmp_path, monkeypatch):
+    path, _, _ = save(tmp_path, 6, state={"step": 6, "lr": torch.tensor([0.5, 0.25])})
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    with monkeypatch.context() as m:  # as a CUDA run writes it: every storage tagged cuda:0
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(state, path / "trainer_state.pt")
+    for ckpt in (path, str(path)):
+        got = load_trainer_state(ckpt)
+        assert got["lr"].device.type == "cpu" and got["lr"].tolist() == [0.5, 0.25]
+        assert got["step"] == 6 and got["checkpoint"] == str(path)
+        assert set(got) == {"step", "lr", "rng", "checkpoint"}
+
+
+def test_a_run_directory_resolves_to_its_newest_checkpoints_model(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    for step in (20, 100, 3):
+        model = run / "checkpoints" / f"step_{step:06d}" / "model"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text("{}")
+    want = str(run / "checkpoints" / "step_000100" / "model")
+    assert resolve_model_path(str(run)) == want
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_model_path("~/run") == want  # ~ is the user's home
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model_path(str(tmp_path / "checkpoints-none"))
+    assert "no such directory" in str(err.value)
+    (run / "checkpoints" / "step_000100" / "model" / "config.json").unlink()
+    (run / "checkpoints" / "step_000100" / "model").rmdir()
+    (run / "checkpoints" / "step_000100").rmdir()
+    assert resolve_model_path(str(run)) == str(run / "checkpoints" / "step_000020" / "model")
+
+
+def test_a_missing_home_or_absolute_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for missing in ("~/model", "~", "/model", "/srv/model"):
+        with pytest.raises(FileNotFoundError) as err:
+            resolve_model_path(missing)
+        assert str(err.value).startswith(f"model {missing}: no such directory;")
+    (tmp_path / "home").mkdir()
+    with pytest.raises(FileNotFoundError) as err:  # the home directory is no model
+        resolve_model_path("~")
+    assert str(err.value) == "model ~: not a model directory (no config.json), run or checkpoint"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_read_saved_training_state_gathers_the_shards_on_the_cpu(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1.5])},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}},
+            "param_groups": [],
+        },
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "ck" / "shards")
+    for ckpt in (tmp_path / "ck", str(tmp_path / "ck")):
+        got = read_saved_training_state(ckpt)
+        assert set(got) == {"model", "optim"}
+        assert torch.equal(got["model"]["w"], state["model"]["w"]) and got["model"]["w"].device.type == "cpu"
+        assert torch.equal(got["model"]["b"], state["model"]["b"])
+        assert torch.equal(got["optim"]["state"]["w"]["exp_avg"], torch.ones(2, 3))
+        assert float(got["optim"]["state"]["w"]["step"]) == 3.0
+
+
+def test_the_cuda_generators_are_saved_and_restored_when_cuda_is_there(monkeypatch):
+    """A stand-in CUDA (this machine has none): its generators' states go into the saved RNG state and
+    come back on restore; a state saved without CUDA restores on a CUDA machine without touching it."""
+    restored = []
+    gpu_states = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: gpu_states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    state = rng_states()
+    assert state["cuda"] is gpu_states and set(state) == {"python", "numpy", "torch", "cuda"}
+    set_rng_states(state)
+    assert restored == [gpu_states]
+    set_rng_states({k: v for k, v in state.items() if k != "cuda"})
+    assert restored == [gpu_states]
