@@ -1,6 +1,6 @@
 """GRPO-RoC on tirl's demo task, the rollouts played by a plain OpenAI-client agent (agent.py).
 
-    python examples/openai_agent/train.py --model runs/demo/sft --steps 20
+    python examples/openai_agent/train.py --model runs/demo/sft --steps 20 --out runs/openai_agent
 
 The agent talks to tirl's OpenAI-compatible endpoint, which records each episode's exact tokens, loss
 mask and log-probs; the episodes are then scored, down-sampled by RoC and trained on exactly as
@@ -15,7 +15,9 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import time
+from pathlib import Path
 
 from openai import AsyncOpenAI
 
@@ -26,7 +28,7 @@ from tirl.distributed.groups import init_distributed
 from tirl.engines import EngineConfig, SingleEnginePool, load_tokenizer
 from tirl.engines.hf import HFEngine
 from tirl.reward import RewardConfig, RewardPool
-from tirl.rl.checkpoint import resolve_model_path
+from tirl.rl.checkpoint import AGENT_FILE, resolve_model_path
 from tirl.rl.config import AlgorithmConfig, OptimConfig
 from tirl.rl.local_learner import LocalLearner
 from tirl.rl.policy import Policy
@@ -46,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=192, help="per turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", default="", help="JSONL file for one line of metrics per step")
+    p.add_argument(
+        "--out",
+        default="",
+        help="save the trained model here as a tirl run (OUT/checkpoints/step_N): `tirl eval --model OUT`",
+    )
     return p.parse_args(argv)
 
 
@@ -97,6 +104,8 @@ async def train(args: argparse.Namespace) -> list[dict]:
                 if args.metrics:
                     with open(args.metrics, "a") as f:
                         f.write(json.dumps(history[-1]) + "\n")
+        if args.out:
+            save(learner, tokenizer, model_path, args)
     finally:
         endpoint.close()
         await engine.close()
@@ -127,6 +136,16 @@ async def one_step(step, problems, rng, endpoint, scorer, learner, engine, alg, 
         "loss": update.get("train/loss"),
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def save(learner, tokenizer, model_path: str, args: argparse.Namespace) -> None:
+    """The trained model as a tirl checkpoint, with the agent settings the model it started from was
+    trained with (tirl eval and chat use them by default)."""
+    learner.save(Path(args.out), args.steps, tokenizer, {"step": args.steps}, keep_last=1)
+    saved = Path(args.out) / "checkpoints" / f"step_{args.steps:06d}" / "model"
+    if (Path(model_path) / AGENT_FILE).is_file():
+        shutil.copy(Path(model_path) / AGENT_FILE, saved / AGENT_FILE)
+    print(f"saved: {saved}", flush=True)
 
 
 class EngineAsRuntime:
