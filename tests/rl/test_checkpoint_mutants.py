@@ -6,6 +6,7 @@ what prepare_run_dir removes, says and refuses; see docs/mutation.md."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from tirl.rl.checkpoint import (
     PROMPT_FIELDS,
     RUN_FILES,
     agent_settings_warning,
+    checkpoint_model_dir,
     latest_checkpoint,
     latest_model_dir,
     list_checkpoints,
@@ -330,3 +332,42 @@ def test_the_cuda_generators_are_saved_and_restored_when_cuda_is_there(monkeypat
     assert restored == [gpu_states]
     set_rng_states({k: v for k, v in state.items() if k != "cuda"})
     assert restored == [gpu_states]
+
+
+def test_lora_checkpoints_and_adapters_resolve_to_their_merged_model(tmp_path, monkeypatch):
+    """A LoRA checkpoint (adapter/, no model/) means its merged/ model, merged on first use; a bare peft
+    adapter directory is merged beside itself; a full model/ wins over an adapter (stand-in merge)."""
+    import tirl.rl.lora as lora
+
+    merges = []
+
+    def merge(adapter, out):
+        merges.append((Path(adapter), Path(out)))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "config.json").write_text("{}")
+        return Path(out)
+
+    monkeypatch.setattr(lora, "merge_adapter", merge)
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000004"
+    (ckpt / "adapter").mkdir(parents=True)
+    (ckpt / "adapter" / "adapter_config.json").write_text("{}")
+    assert checkpoint_model_dir(ckpt) == ckpt / "merged" and merges == [(ckpt / "adapter", ckpt / "merged")]
+    assert checkpoint_model_dir(str(ckpt)) == ckpt / "merged" and len(merges) == 1  # merged once
+    assert latest_model_dir(run) == ckpt / "merged"
+    assert resolve_model_path(str(run)) == resolve_model_path(str(ckpt)) == str(ckpt / "merged")
+    assert len(merges) == 1
+    (ckpt / "model").mkdir()
+    (ckpt / "model" / "config.json").write_text("{}")
+    assert checkpoint_model_dir(ckpt) == ckpt / "model" and resolve_model_path(str(ckpt)) == str(
+        ckpt / "model"
+    )
+    plain = tmp_path / "ck"  # no adapter: its model/
+    assert checkpoint_model_dir(plain) == plain / "model"
+    adapter = tmp_path / "my-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert resolve_model_path(str(adapter)) == str(tmp_path / "my-adapter-merged")
+    assert merges[-1] == (adapter, tmp_path / "my-adapter-merged")
+    (adapter / "config.json").write_text("{}")  # a full model that also holds an adapter config: itself
+    assert resolve_model_path(str(adapter)) == str(adapter) and len(merges) == 2

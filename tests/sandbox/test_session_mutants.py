@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
+import types
 
 import pytest
 
@@ -223,7 +225,7 @@ async def test_a_process_that_exits_mid_cell_loses_the_session(proc):
     r = await s.run_cell("import os; os._exit(0)", "", 5.0)
     assert (r.status, r.stdout) == (Status.RUNTIME_ERROR, "partial")
     assert r.message == "the session's process exited (its process exited" + LOST
-    assert s.lost == "its process exited"
+    assert s.lost == "its process exited" and s.exited  # known gone: closing it waits for nothing
 
 
 async def test_a_process_killed_for_memory_says_so(proc):
@@ -309,6 +311,139 @@ async def test_run_and_close_go_through_the_owner(proc):
     assert s.id and s.id != session(proc).id and s.uid_index == 0 and not s.released
 
 
+@pytest.fixture
+async def loop_errors() -> list[dict]:
+    """What the event loop reports from its callbacks (a session's pipe callbacks must never fail)."""
+    errors: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    return errors
+
+
+def fake_clock(monkeypatch, now: float) -> types.SimpleNamespace:
+    """The session module's clock, set by hand (the event loop keeps the real one)."""
+    clock = types.SimpleNamespace(now=now)
+    monkeypatch.setattr(sm, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    return clock
+
+
+async def test_wall_time_is_the_cells_own_in_milliseconds_and_last_used_its_start_then_end(proc, monkeypatch):
+    clock = fake_clock(monkeypatch, 100.0)
+    s = session(proc)
+    task = asyncio.create_task(s.run_cell("x", "", 5.0))
+    await asyncio.sleep(0.02)
+    assert not task.done() and s.last_used == 100.0  # a running cell counts as use from its start
+    clock.now = 100.1234567
+    proc.report(outcome="ok")
+    r = await task
+    assert r.wall_ms == 123.46 and s.last_used == 100.1234567
+
+
+async def test_start_gives_the_interpreter_the_cell_timeout_plus_10_s(proc, monkeypatch):
+    seen = []
+    real = Session._exchange
+
+    async def exchange(self, req, timeout, first=False):
+        seen.append((timeout, first))
+        return await real(self, req, timeout, first)
+
+    monkeypatch.setattr(Session, "_exchange", exchange)
+    s = session(proc, started=False, timeout_s=3)
+    proc.write(result=forkserver.STARTED + forkserver.SESSION_DONE)
+    assert (await s.start(Limits(timeout_s=50))).status == Status.OK
+    assert seen == [(13, True)]
+
+
+async def test_a_session_whose_process_handles_are_closed_says_it_was_closed(proc):
+    s = session(proc)
+    s.child.close()
+    assert await s.run_cell("x", "", 1.0) == gone("it was closed") and s.calls == 0
+
+
+async def test_truncated_output_counts_the_bytes_dropped(proc):
+    s = session(proc, keep_bytes=256)
+    proc.write(stdout=b"a" * 1000, stderr=b"b" * 700)
+    proc.report(outcome="ok")
+    r = await s.run_cell("x", "", 5.0)
+    assert (r.stdout_truncated_bytes, r.stderr_truncated_bytes) == (1000 - 512, 700 - 512)
+    assert r.extra["stdout_bytes"] == 1000 and r.extra["stderr_bytes"] == 700
+
+
+async def test_output_still_in_the_pipes_when_the_process_exits_is_kept(proc):
+    s = session(proc, output_bytes=4 << 20)
+    size = 900_000  # many reads' worth: most of it is still in the pipes when the exit is seen
+    for fd in (proc.out_w, proc.err_w):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+    proc.write(stdout=b"o" * size, stderr=b"e" * size)
+    proc.exit()
+    r = await s.run_cell("x", "", 5.0)
+    assert r.status == Status.RUNTIME_ERROR and s.lost == "its process exited" and s.exited
+    assert (r.extra["stdout_bytes"], r.extra["stderr_bytes"]) == (size, size)
+    assert r.stdout.endswith("o" * 100) and r.stderr.endswith("e" * 100)
+
+
+async def test_a_report_read_before_the_request_is_all_written_ends_the_cell_once_it_is(proc, loop_errors):
+    s = session(proc)
+    code = "x" * 300_000  # more than the request pipe holds: written as the process reads it
+    proc.report(outcome="ok")
+    task = asyncio.create_task(s.run_cell(code, "", 5.0))
+    await asyncio.sleep(0.1)
+    assert not task.done()  # the report came before the whole request: it ends nothing yet
+    got = bytearray()
+    loop = asyncio.get_running_loop()
+    loop.add_reader(proc.req_r, lambda: got.extend(os.read(proc.req_r, 1 << 16)))
+    try:
+        r = await asyncio.wait_for(task, 3)
+    finally:
+        loop.remove_reader(proc.req_r)
+    assert r.status == Status.OK and s.alive and loop_errors == []
+    assert bytes(got) == framing.encode({"code": code, "stdin": ""})
+
+
+async def test_a_stream_the_process_closes_is_no_longer_watched(proc, loop_errors):
+    s = session(proc)
+    os.close(proc.out_w)
+    proc.out_w = -1
+    proc.write(stderr=b"e")
+    task = asyncio.create_task(s.run_cell("x", "", 5.0))
+    await asyncio.sleep(0.05)
+    proc.report(outcome="ok")
+    r = await task
+    assert (r.status, r.stdout, r.stderr) == (Status.OK, "", "e") and loop_errors == []
+
+
+async def test_output_of_exactly_the_cap_before_the_report_is_kept(proc):
+    s = session(proc, output_bytes=1024)
+    proc.write(stdout=b"a" * 1024)
+    task = asyncio.create_task(s.run_cell("x", "", 5.0))
+    await asyncio.sleep(0.05)  # read, at the cap: not over it
+    assert not task.done()
+    proc.report(outcome="ok")
+    r = await task
+    assert r.status == Status.OK and s.alive
+
+
+@pytest.mark.parametrize("before", [0, 1 << 16])
+async def test_the_end_marker_counts_within_the_last_64_bytes_read(proc, before):
+    """The marker ends a cell when it is among the last 64 bytes read from the result pipe (the head's
+    end while the result is short, the tail's once it passed the 64 KiB head): the runner writes it
+    last; one followed by more bytes was forged mid-cell."""
+    s = session(proc)
+    report = json.dumps({"outcome": "error", "error": "E"}).encode() + b"\n" + forkserver.SESSION_DONE
+    filler = b"r" * (before - 1) + b"\n" if before else b""
+    for trailing, ends in (
+        (64 - len(forkserver.SESSION_DONE), True),
+        (65 - len(forkserver.SESSION_DONE), False),
+    ):
+        proc.write(result=filler)
+        task = asyncio.create_task(s.run_cell("x", "", 0.3))
+        await asyncio.sleep(0.02)
+        proc.write(result=report + b"t" * trailing)
+        r = await task
+        assert (r.status == Status.TIMEOUT) is not ends, (trailing, r)
+        if ends:
+            assert (r.status, r.message) == (Status.RUNTIME_ERROR, "E") and s.alive
+
+
 # ---- the pool's session admission (no zygote started) ----
 
 
@@ -358,6 +493,19 @@ def test_a_session_is_released_once():
 def test_a_closed_pool_opens_no_session():
     pool = admission_pool(2)
     pool._closed = True
-    with pytest.raises(SessionError, match="the sandbox pool is closed"):
+    with pytest.raises(SessionError) as err:
         pool._admit_session(Limits())
+    assert str(err.value) == "the sandbox pool is closed"
     assert pool._sessions_held == 0 and SESSION_UIDS >= 64
+
+
+def test_a_session_beyond_the_memory_budget_is_refused_and_holds_nothing():
+    pool = admission_pool(3, memory_mb=150)
+    assert pool._admit_session(Limits(memory_mb=100)) == 0
+    with pytest.raises(SessionError) as err:
+        pool._admit_session(Limits(memory_mb=100))
+    assert str(err.value) == (
+        "memory budget: 100 of 150 MiB are held by running calls and live sessions, 100 MiB more do not "
+        "fit (retry later, ask for less memory, or close idle sessions)"
+    )
+    assert pool._sessions_held == 1 and pool._session_uids == {0} and pool._memory_reserved_mb == 100
