@@ -1,0 +1,105 @@
+"""benchmarks/vs_trl.py without running TRL: its arguments, the one-line error when TRL is missing, and
+the chat template that makes TRL's prompts tirl's (checked against tirl's own rendering)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import vs_trl
+
+
+def test_defaults_run_both_sides_on_both_engines():
+    args = vs_trl.parse_args(["--demo", "runs/demo"])
+    assert args.sides == ["tirl", "trl"] and args.engines == ["hf", "vllm"]
+    assert args.steps is None and not args.roc and args.child is None and args.overrides == []
+
+
+def test_arguments_and_overrides_are_passed_through():
+    args = vs_trl.parse_args(
+        ["--demo", "d", "--steps", "3", "--engines", "hf", "--sides", "trl", "--roc", "demo.seed=1"]
+    )
+    assert (args.steps, args.engines, args.sides, args.roc) == (3, ["hf"], ["trl"], True)
+    assert vs_trl.side_overrides(args, "hf") == ["demo.seed=1", "train.engine.backend=hf", "demo.rl_steps=3"]
+    plain = vs_trl.parse_args(["--demo", "d"])
+    assert vs_trl.side_overrides(plain, "vllm") == ["train.engine.backend=vllm", "train.algorithm.roc=off"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--demo", "d", "--steps", "0"],
+        ["--demo", "d", "--engines", "sglang"],
+        ["--demo", "d", "--trl-micro-batch", "0"],
+    ],
+)
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        vs_trl.parse_args(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_missing_trl_is_one_clear_line(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a)
+    )
+    with pytest.raises(SystemExit) as exc:
+        vs_trl.main(["--demo", str(tmp_path)])
+    message = str(exc.value.code)
+    assert "\n" not in message and "trl==" + vs_trl.TRL_VERSION in message and "trl-bench" in message
+    # tirl's side alone needs no TRL: it goes on to check the demo directory instead
+    with pytest.raises(SystemExit, match="not a finished `tirl demo` directory"):
+        vs_trl.main(["--demo", str(tmp_path), "--sides", "tirl"])
+
+
+def test_the_chat_template_renders_tirls_prompt_and_tool_turn():
+    from transformers import PreTrainedTokenizerFast
+
+    from tirl.agent.protocol import build_prompt_text, tool_response_text
+    from tirl.demo.pipeline import load_settings
+
+    agent = load_settings().agent
+    tok = PreTrainedTokenizerFast(tokenizer_object=_whitespace_tokenizer())
+    tok.chat_template = vs_trl.chat_template(agent)
+
+    def python(code: str) -> str:
+        """Run code.
+
+        Args:
+            code: the code
+        """
+        return code
+
+    messages = [
+        {"role": "system", "content": agent.system_prompt},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    text = tok.apply_chat_template(messages, tools=[python], add_generation_prompt=True, tokenize=False)
+    assert text == build_prompt_text(tok, "What is 2+2?", agent)
+    call = [{"type": "function", "function": {"name": "python", "arguments": {"code": "print(4)"}}}]
+    head = [*messages, {"role": "assistant", "content": "x", "tool_calls": call}]
+    before = tok.apply_chat_template(head, tools=[python], tokenize=False)
+    assert (
+        '<tool_call>\n{"name": "python", "arguments": {"code": "print(4)"}}\n</tool_call><|im_end|>' in before
+    )
+    after = tok.apply_chat_template(
+        [*head, {"role": "tool", "name": "python", "content": "4"}],
+        tools=[python],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    cut = before.rindex("<|im_end|>") + len("<|im_end|>")  # where TRL cuts (after the turn's EOS)
+    assert after[:cut] == before[:cut]
+    assert after[cut:] == tool_response_text(["4"], agent, turn_closed=True)
+
+
+def _whitespace_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
