@@ -509,3 +509,20 @@ def test_a_session_beyond_the_memory_budget_is_refused_and_holds_nothing():
         "fit (retry later, ask for less memory, or close idle sessions)"
     )
     assert pool._sessions_held == 1 and pool._session_uids == {0} and pool._memory_reserved_mb == 100
+
+
+async def test_killing_signals_the_sessions_pidfd_and_a_process_already_gone_is_fine(proc, monkeypatch):
+    sent = []
+
+    def kill(fd, sig):
+        sent.append((fd, sig))
+        proc.exit()
+        raise ProcessLookupError("already gone")
+
+    monkeypatch.setattr(sm.signal, "pidfd_send_signal", kill)
+    s = session(proc)
+    pidfd = s.child.pidfd
+    r = await s.run_cell("while True: pass", "", 0.2)
+    assert r.status == Status.TIMEOUT and s.exited
+    await s.close()
+    assert sent == [(pidfd, 9), (pidfd, 9)] and s.cgroup.closed == 1
