@@ -8,7 +8,8 @@ a finished `tirl demo` directory (same SFT model, data, seed, step budget and ev
     .venv/bin/python benchmarks/async_demo.py --demo runs/demo --seeds 5    # seeds 0-4, both sides
 
 With `--seeds N` both sides run for seeds 0..N-1 (a run whose OUT/<run>.json exists is not run again, so
-an interrupted comparison continues), then OUT/seeds.json holds each quantity's mean and 95% interval
+an interrupted comparison continues; `--first-seed` splits the seeds between calls run at once), then
+OUT/seeds.json holds each quantity's mean and 95% interval
 per side and the paired difference async - sync (same seed = same prompts), and OUT/figure9.png the
 per-step bands and held-out accuracy.
 
@@ -150,7 +151,7 @@ def _sides(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, DemoSett
 
 def _main_seeds(args: argparse.Namespace, demo: Path, out: Path) -> None:
     results: dict[str, list[dict]] = {"sync": [], "async": []}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.seeds):
         for side, (name, settings) in _sides(args, seed).items():
             results[side].append(run_or_load(settings, demo, out, name))
     _print([r for pair in zip(results["sync"], results["async"], strict=True) for r in pair])
@@ -168,6 +169,12 @@ def main() -> None:
     )
     ap.add_argument("--staleness-mode", choices=["bounded", "exact"], default="bounded")
     ap.add_argument("--seeds", type=int, help="run both sides for seeds 0..N-1 and compare them")
+    ap.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="with --seeds: start at this seed (share seeds between calls)",
+    )
     ap.add_argument("--name", help="the async run's name (default async_k<k>[_exact][_tis<cap>]_seed<seed>)")
     ap.add_argument("overrides", nargs="*", help="demo settings, e.g. demo.rl_steps=10 demo.seed=1")
     args = ap.parse_args()
