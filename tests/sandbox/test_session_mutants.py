@@ -526,3 +526,33 @@ async def test_killing_signals_the_sessions_pidfd_and_a_process_already_gone_is_
     assert r.status == Status.TIMEOUT and s.exited
     await s.close()
     assert sent == [(pidfd, 9), (pidfd, 9)] and s.cgroup.closed == 1
+
+
+async def test_a_process_that_survives_its_kill_costs_a_bounded_wait_and_close_still_frees(proc, monkeypatch):
+    """The hang guards: a killed process that does not exit (a stuck kernel) and an exchange that never
+    lets go are each waited for EXIT_WAIT_S at most; close() frees the session's handles anyway."""
+    monkeypatch.setattr(sm, "EXIT_WAIT_S", 0.1)
+    monkeypatch.setattr(sm.signal, "pidfd_send_signal", lambda fd, sig: proc.signals.append(sig))  # no exit
+    s = session(proc)
+    r = await asyncio.wait_for(s.run_cell("while True: pass", "", 0.2), 5)
+    assert r.status == Status.TIMEOUT and not s.exited
+    s._quiet.clear()  # as if an exchange still held the pipes
+    await asyncio.wait_for(s.close(), 5)
+    assert s.cgroup.closed == 1 and proc.child.pidfd == -1 and proc.signals == [9, 9]
+
+
+async def test_close_retries_removing_the_cgroup_until_it_is_gone(proc, monkeypatch, tmp_path):
+    group = tmp_path / "slot"
+    group.mkdir()
+    calls = []
+
+    def remove(groups):
+        calls.append(groups)
+        if len(calls) == 3:  # busy twice (its processes are still being reaped), then empty
+            group.rmdir()
+
+    monkeypatch.setattr(sm.cgroups, "remove_slot_cgroups", remove)
+    s = session(proc)
+    s.cgroup.dirs = lambda: [str(group)]
+    await s.close()
+    assert len(calls) == 3 and calls[0] == [s.cgroup] and not group.exists()
