@@ -554,5 +554,8 @@ async def test_close_retries_removing_the_cgroup_until_it_is_gone(proc, monkeypa
     monkeypatch.setattr(sm.cgroups, "remove_slot_cgroups", remove)
     s = session(proc)
     s.cgroup.dirs = lambda: [str(group)]
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     await s.close()
     assert len(calls) == 3 and calls[0] == [s.cgroup] and not group.exists()
+    assert loop.time() - start < 1.0  # retried every 10 ms, not every second
