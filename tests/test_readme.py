@@ -138,6 +138,10 @@ NOT_RUN: dict[str, str] = {
     "tirl data filter-hard --checkpoint RUN/": "a Ray cluster with GPUs and a trained checkpoint",
     "tirl train --config CONFIG algorithm.async=true": "a placeholder config; asynchronous training runs "
     "are tests/rl (async producer, k=0 bit for bit, resume) and benchmarks/async_demo.py",
+    "tirl train --config src/tirl/configs/demo/train.yaml optim.lora.enabled=true": "after a demo run; "
+    "LoRA's training runs are tests/rl/test_lora.py (sync and async, resume, FSDP2, both engines)",
+    "tirl sft --config src/tirl/configs/demo/sft.yaml optim.lora.enabled=true": "after a demo run; "
+    "LoRA's SFT runs are tests/rl/test_lora.py (adapter checkpoints, their merge, resume)",
 }
 # Placeholders of NOT_RUN commands, replaced by a real file when their config is loaded.
 PLACEHOLDER_CONFIG = {"CONFIG": "src/tirl/configs/demo/train.yaml"}
