@@ -360,3 +360,32 @@ def test_rl_with_lora_resumes_exactly(tiny_model_dir, tmp_path):
     again = _train_config(tmp_path / "b", tiny_model_dir, 3)
     resumed = read_metrics(run_training(again, resume=True, progress=False))
     assert comparable(resumed) == comparable(whole)
+
+
+# ---- tirl plan: gradients and optimizer state for the adapters only ----
+
+
+@pytest.mark.slow  # two plans, each a measured FSDP2 step on fake tensors (~1 min on 2 busy cores)
+def test_the_memory_plan_counts_adapter_state_only(tiny_model_dir):
+    from tirl.rl.plan import ClusterShape, GiB, Workload, architecture_config, make_plan, parameter_count
+
+    config = architecture_config(str(tiny_model_dir))
+    engine = dict(max_model_len=256, gpu_memory_utilization=0.5, tensor_parallel_size=1, dtype="bfloat16")
+    lora = LoraConfig(enabled=True, rank=4, target_modules=["q_proj"]).model_dump()
+    cluster = ClusterShape(2, 80 * GiB, colocated=True)
+    full = make_plan(config, cluster, Workload((2, 256), True, True, engine), "tiny")
+    adapted = make_plan(config, cluster, Workload((2, 256), True, True, engine, lora=lora), "tiny")
+    params = parameter_count(config)
+    layers, hidden, q_out = config.num_hidden_layers, config.hidden_size, config.num_attention_heads * 32
+    assert adapted.training.trainable == layers * 4 * (hidden + q_out)  # A: r x in, B: out x r
+    assert full.training.trainable == params
+    # AdamW moments of the adapters only (fp32, two of them, sharded over 2 ranks)
+    assert adapted.training.by_category["OptState"] == pytest.approx(
+        adapted.training.trainable * 8 / 2, rel=0.05
+    )
+    # the frozen base rests in bf16: 2 bytes a parameter instead of fp32 + two moments (12)
+    assert adapted.training.resident < full.training.resident / 4
+    # a sync carries q (merged) with its fused k and v, in bf16; no embeddings, MLPs or norms
+    kv_out = config.num_key_value_heads * 32
+    assert adapted.sync_bytes == layers * hidden * (q_out + 2 * kv_out) * 2
+    assert any(line.startswith("LoRA: rank 4") for line in adapted.lines())

@@ -82,6 +82,9 @@ class Workload:
     bf16: bool = True
     gradient_checkpointing: bool = True
     engine: dict[str, Any] | None = None  # max_model_len, gpu_memory_utilization, tp, dtype; None = SFT
+    lora: dict[str, Any] | None = (
+        None  # optim.lora's settings when enabled: adapters train, the base is frozen
+    )
 
 
 @dataclass
@@ -89,6 +92,7 @@ class TrainingMemory:
     peak: int  # bytes, as FSDP's memory tracker measured it on rank 0
     by_category: dict[str, int]
     resident: int  # between steps: sharded fp32 params + AdamW moments (gradients are set to None)
+    trainable: int = 0  # parameters the optimizer updates (all of them; with LoRA the adapters only)
 
 
 @dataclass
@@ -140,6 +144,15 @@ class Plan:
             f"training (measured, one micro-batch of {b} x {n} tokens): peak {_gb(t.peak)} GiB per GPU ("
             + ", ".join(f"{k} {_gb(v)}" for k, v in t.by_category.items() if v >= GiB / 100)
             + ")",
+            *(
+                [
+                    f"LoRA: rank {self.workload.lora['rank']}, {t.trainable / 1e6:.2f}M trainable parameters "
+                    f"({100 * t.trainable / max(self.parameters, 1):.2f}%); gradients and AdamW state for "
+                    "them only, the frozen base in the compute dtype"
+                ]
+                if self.workload.lora
+                else []
+            ),
             f"  + allocator slack, CUDA/NCCL context{', sleeping engine' if c.colocated and self.engine else ''}"
             f" = {_gb(self.training_total)} GiB; resident between steps {_gb(t.resident)} GiB",
         ]
@@ -197,10 +210,24 @@ def _meta_model(config) -> torch.nn.Module:
 # ---- training: FSDP2 on fake tensors and a fake process group ----
 
 
-def _fake_model(config) -> torch.nn.Module:
-    """The model with storage-less fp32 parameters on CPU (call under FakeTensorMode). Built on meta and
-    then given fake parameters, which skips the random initialization (seconds at 14B)."""
+def _workload_meta_model(config, workload: Workload) -> torch.nn.Module:
+    """The model on meta, with the workload's LoRA adapters injected as the trainer does it
+    (tirl.rl.policy.with_lora). Outside FakeTensorMode: peft moves each adapter to its layer's device,
+    which fake tensors refuse."""
     model = _meta_model(config)
+    if workload.lora:
+        from tirl.rl.config import LoraConfig
+        from tirl.rl.policy import with_lora
+
+        with_lora(model, LoraConfig(**workload.lora), workload.bf16)
+    return model
+
+
+def _fake_model(config, meta: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The model with storage-less fp32 parameters on CPU (call under FakeTensorMode). Built on meta
+    (or `meta`, built beforehand) and then given fake parameters, which skips the random initialization
+    (seconds at 14B)."""
+    model = meta if meta is not None else _meta_model(config)
     made: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one object
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -238,19 +265,20 @@ def measure_training(config, world: int, workload: Workload) -> TrainingMemory:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside fake mode: the mesh is real bookkeeping
+        meta = _workload_meta_model(config, workload)
         with FakeTensorMode():
-            return _measure_step(config, mesh, workload)
+            return _measure_step(config, mesh, workload, meta)
     finally:
         dist.destroy_process_group()
 
 
-def _measure_step(config, mesh, workload: Workload) -> TrainingMemory:
+def _measure_step(config, mesh, workload: Workload, meta: torch.nn.Module | None = None) -> TrainingMemory:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from tirl.distributed.groups import DistInfo, clip_grad_norm, shard_model
     from tirl.rl.policy import enable_gradient_checkpointing, install_token_head, token_logprobs
 
-    model = _fake_model(config)
+    model = _fake_model(config, meta)
     model.config.use_cache = False
     if workload.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -258,9 +286,11 @@ def _measure_step(config, mesh, workload: Workload) -> TrainingMemory:
     world = mesh.size()
     info = DistInfo(0, world, torch.device("cpu"))
     shard_model(model, info, workload.bf16, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6)
     _allocate_adam_state(optimizer)
-    resident = sum(_local_bytes(p) * 3 for p in model.parameters())  # params + exp_avg + exp_avg_sq
+    # between steps: every parameter's shard, and AdamW's two moments of the trained ones
+    resident = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(p) * 2 for p in trainable)
     batch, tokens = workload.micro_batch
     ids = torch.zeros((batch, tokens), dtype=torch.long)
     tracker = FSDPMemTracker(model, optimizer)
@@ -271,13 +301,14 @@ def _measure_step(config, mesh, workload: Workload) -> TrainingMemory:
         # whose values fake tensors cannot see would send it to the O(tokens^2) reference kernel.)
         logprobs, _ = token_logprobs(model, ids, None)
         (logprobs.sum() * world).backward()
-        clip_grad_norm(list(model.parameters()), 1.0, info)
+        clip_grad_norm(trainable, 1.0, info)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     peak = tracker.get_tracker_snapshot("peak")
     stats = next(iter(peak.values())) if peak else {}
     by_category = {getattr(k, "value", str(k)): int(v) for k, v in stats.items() if k != "Total"}
-    return TrainingMemory(int(stats.get("Total", 0)), by_category, resident)
+    count = sum(p.numel() for p in trainable)  # a DTensor counts its whole tensor
+    return TrainingMemory(int(stats.get("Total", 0)), by_category, resident, count)
 
 
 def _local_bytes(p: torch.Tensor) -> int:
@@ -325,7 +356,13 @@ def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "")
     model = _meta_model(config)
     parameters = sum(p.numel() for p in model.parameters())
     engine_dtype = torch.float32 if (workload.engine or {}).get("dtype") == "float32" else torch.bfloat16
-    sync_bytes = sum(e.nbytes for e in plan_entries(model, engine_dtype))
+    synced = None
+    if workload.lora:  # the merged adapted layers (and their vLLM-fused siblings) only: tirl.rl.lora
+        from tirl.rl.config import LoraConfig
+        from tirl.rl.lora import apply_lora, merged_tensors
+
+        synced = dict(merged_tensors(apply_lora(_meta_model(config), LoraConfig(**workload.lora))))
+    sync_bytes = sum(e.nbytes for e in plan_entries(model, engine_dtype, synced))
     training = measure_training(config, cluster.gpus, workload)
     engine = (
         engine_memory(config, parameters, cluster.gpu_memory, workload.engine) if workload.engine else None
@@ -404,13 +441,15 @@ def workload_of(cfg) -> Workload:
 
     optim = cfg.optim
     bf16 = resolve_dtype(optim.dtype, torch.device("cuda")) == torch.bfloat16
+    lora = optim.lora.model_dump() if optim.lora.enabled else None
     engine = getattr(cfg, "engine", None)
     if engine is None:  # SFT: examples up to max_length tokens, no engines
         shape = micro_batch_shape(optim.micro_batch_tokens, cfg.max_length)
-        return Workload(shape, bf16, optim.gradient_checkpointing)
+        return Workload(shape, bf16, optim.gradient_checkpointing, lora=lora)
     shape = micro_batch_shape(optim.micro_batch_tokens, engine.max_model_len)
     fields = ("max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "dtype", "max_batch_size")
-    return Workload(shape, bf16, optim.gradient_checkpointing, {k: getattr(engine, k) for k in fields})
+    engine_fields = {k: getattr(engine, k) for k in fields}
+    return Workload(shape, bf16, optim.gradient_checkpointing, engine_fields, lora=lora)
 
 
 def colocated_by_config(cfg) -> bool:
