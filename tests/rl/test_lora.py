@@ -301,7 +301,7 @@ def _train_config(tmp_path: Path, model_dir: Path, steps: int, *overrides: str):
         "model": str(model_dir),
         "output_dir": str(tmp_path / "runs"),
         "seed": 3,
-        "engine": {"backend": "hf", "device": "cpu", "max_model_len": 512, "max_batch_size": 16},
+        "engine": {"backend": "hf", "device": "cpu", "max_model_len": 1024, "max_batch_size": 16},
         "agent": {"max_turns": 2, "max_response_tokens": 16},
         "sandbox": {"mode": "inprocess", "slots": 1},
         "reward": {"workers": 1},
@@ -389,3 +389,12 @@ def test_the_memory_plan_counts_adapter_state_only(tiny_model_dir):
     kv_out = config.num_key_value_heads * 32
     assert adapted.sync_bytes == layers * hidden * (q_out + 2 * kv_out) * 2
     assert any(line.startswith("LoRA: rank 4") for line in adapted.lines())
+
+
+def test_the_demo_takes_its_lora_variant_as_overrides():
+    from tirl.demo.pipeline import load_settings, train_config
+
+    settings = load_settings(overrides=["train.optim.lora.enabled=true", "train.optim.lr=3e-3"])
+    cfg = train_config(settings, Path("model"), "data.jsonl", Path("out"), "rl-lora")
+    assert cfg.optim.lora.enabled and cfg.optim.lora.target_modules == ["all-linear"]
+    assert cfg.optim.lr == 3e-3 and cfg.optim.lora.dropout == 0
