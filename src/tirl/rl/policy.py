@@ -213,7 +213,7 @@ def _restore_computed_buffers(model: torch.nn.Module, device: torch.device) -> N
             module._buffers[name] = fresh._buffers[name].to(device)
 
 
-def _with_lora(model: torch.nn.Module, lora: LoraConfig, bf16: bool) -> torch.nn.Module:
+def with_lora(model: torch.nn.Module, lora: LoraConfig, bf16: bool) -> torch.nn.Module:
     """The adapters injected (optim.lora.enabled) and everything else frozen: in bf16 when the run
     computes in bf16 (the base never trains, so it needs no fp32 master copy); the adapters stay fp32."""
     if not lora.enabled:
@@ -243,11 +243,11 @@ def build_sharded_model(model_path: str, optim: OptimConfig, info: DistInfo, bf1
         raise FileNotFoundError(f"cannot load the policy model from {model_path!r}: {e}") from e
     with torch.device("meta"):
         model = _prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32), optim)
-        _with_lora(model, optim.lora, bf16)
+        with_lora(model, optim.lora, bf16)
     shard_model(model, info, bf16)
     model.to_empty(device=info.device)
     _restore_computed_buffers(model, info.device)
-    full = _with_lora(_load_full_model(model_path), optim.lora, False).state_dict() if info.is_main else {}
+    full = with_lora(_load_full_model(model_path), optim.lora, False).state_dict() if info.is_main else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
     return model
@@ -265,7 +265,7 @@ class Policy:
             self.model = build_sharded_model(model_path, optim, info, self.bf16)
         else:  # one process: nothing to shard, the model is this process's to place
             model = _prepare(_load_full_model(model_path), optim)
-            self.model = _with_lora(model, optim.lora, self.bf16).to(self.device)
+            self.model = with_lora(model, optim.lora, self.bf16).to(self.device)
         self.pad_id = self.model.config.pad_token_id or 0
         self.total_steps = total_steps
         self.reference: torch.nn.Module | None = None
