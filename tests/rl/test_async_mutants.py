@@ -192,6 +192,7 @@ class Env:
     calls: list[tuple[str, int, int]] = field(default_factory=list)  # (group, sample_index, seed)
     selects: list[tuple[int, int]] = field(default_factory=list)  # (group size, seed)
     seen: list[Trajectory] = field(default_factory=list)
+    passed: list[tuple] = field(default_factory=list)  # (tokenizer, executor, agent) per trajectory
 
     def hold(self, draw: int, turn: int = 0) -> asyncio.Event:
         return self.holds.setdefault((draw, turn), asyncio.Event())
@@ -238,6 +239,7 @@ def env(monkeypatch) -> Env:
 
     async def run_trajectory(pool, tokenizer, executor, problem, agent, *, group, sample_index, seed):
         env.calls.append((group, sample_index, seed))
+        env.passed.append((tokenizer, executor, agent))
         draw = int(group.rsplit("#", 1)[1])
         traj = Trajectory(problem.id, [1], sample_index=sample_index, response_text=problem.answer)
         async with pool.lease(group, agent.max_response_tokens) as engine:
@@ -255,7 +257,7 @@ def env(monkeypatch) -> Env:
     return env
 
 
-def producer(env: Env, versions: WeightVersions | None = None, **kw) -> GroupProducer:
+def producer(env: Env, versions: WeightVersions | None = None, runtime=None, **kw) -> GroupProducer:
     def select(group, seed):
         env.selects.append((len(group), seed))
         return [len(group) - 1]
@@ -263,7 +265,7 @@ def producer(env: Env, versions: WeightVersions | None = None, **kw) -> GroupPro
     args = dict(prompts_per_step=2, rollouts_per_prompt=2, max_staleness=1, seed=3, first_step=0, steps=5)
     args |= kw
     return GroupProducer(
-        Runtime(GatePool(env)),
+        runtime or Runtime(GatePool(env)),
         versions or WeightVersions(0),
         PROBLEMS,
         EpochSampler(len(PROBLEMS), 11),
@@ -613,3 +615,27 @@ async def test_a_versioned_engine_passes_the_prompt_and_sampling_params_through(
     async with VersionedPool(ToyPool(Recorder()), WeightVersions(2)).lease("g", 8) as leased:
         gen = await leased.generate([4, 5], params)
     assert seen == [([4, 5], params)] and gen.version == 2
+
+
+async def test_groups_are_taken_in_completion_order_not_admission_order(env):
+    for d in range(4):
+        env.hold(d)
+    p = producer(env, prompts_per_step=2, max_staleness=1, steps=5)
+    order = EpochSampler(len(PROBLEMS), 11).next(4)
+    await settle()
+    for d in (3, 2, 0):  # complete in this order: 3 and 2 first
+        env.hold(d).set()
+        await settle()
+    got = await p.take(0)
+    assert [pr.id for pr in got.problems] == [f"p{order[2]}", f"p{order[3]}"]  # handed over in draw order
+    env.hold(1).set()
+    await p.close()
+
+
+async def test_the_agent_loop_gets_the_runtimes_tokenizer_and_executor_and_each_trajectory_is_seen(env):
+    tokenizer, executor = object(), object()
+    p = producer(env, runtime=Runtime(GatePool(env), tokenizer, executor), steps=1)
+    got = await p.take(0)
+    assert env.passed and all(x == (tokenizer, executor, AGENT) for x in env.passed)
+    assert sorted(map(id, env.seen)) == sorted(id(t) for g in got.groups for t in g)
+    await p.close()
