@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 from tests.terminal import run_tirl
+from tests.train_config import write_train_config
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -76,38 +76,19 @@ def test_train_and_sft_help_name_config_paths_that_exist():
 
 def _alerting_config(tmp_path: Path, model_dir: Path) -> Path:
     """A run whose every step alerts (any rollout cut by the length limit) and that stops on the second."""
-    data = tmp_path / "problems.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
-            for i in range(4)
-        )
+    return write_train_config(
+        tmp_path,
+        model_dir,
+        steps=5,
+        agent={"max_turns": 1, "max_response_tokens": 4},
+        optim={"device": "cpu", "lr": 1e-4},
+        logging={
+            "tensorboard": False,
+            "alert_action": "stop",
+            "alert_stop_after": 2,
+            "alert_length_limit_share": 1e-6,
+        },
     )
-    config = tmp_path / "train.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(model_dir),
-                "output_dir": str(tmp_path / "runs"),
-                "run_name": "r",
-                "engine": {"backend": "hf", "device": "cpu", "max_model_len": 1024},
-                "agent": {"max_turns": 1, "max_response_tokens": 4},
-                "sandbox": {"mode": "inprocess", "slots": 1},
-                "reward": {"workers": 1},
-                "algorithm": {"prompts_per_step": 1, "group_size": 2},
-                "optim": {"device": "cpu", "lr": 1e-4},
-                "stages": [{"steps": 5, "data": str(data)}],
-                "checkpoint": {"every": 1},
-                "logging": {
-                    "tensorboard": False,
-                    "alert_action": "stop",
-                    "alert_stop_after": 2,
-                    "alert_length_limit_share": 1e-6,
-                },
-            }
-        )
-    )
-    return config
 
 
 @pytest.mark.timeout(900)  # two short training runs on a loaded 2-core machine

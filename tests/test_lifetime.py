@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from tests.terminal import foreground, tirl_argv, tirl_env
+from tests.train_config import write_train_config
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -142,31 +142,11 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path, 
     """One Ctrl-C: the run stops (vLLM's engine core, which vLLM spawns on CPU, does not take the
     terminal's SIGINT and die first), its checkpoint is there, the resume command is printed, and
     nothing else: no traceback, no library warning, no leaked-resource report."""
-    data = tmp_path / "problems.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
-            for i in range(4)
-        )
-    )
-    config = tmp_path / "train.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(tiny_model_dir),
-                "output_dir": str(tmp_path / "runs"),
-                "run_name": "r",
-                "engine": {"backend": engine, "device": "cpu", "max_model_len": 1024, "kv_cache_gb": 0.1},
-                "agent": {"max_turns": 1, "max_response_tokens": 8},
-                "sandbox": {"mode": "inprocess", "slots": 1},
-                "reward": {"workers": 1},
-                "algorithm": {"prompts_per_step": 1, "group_size": 2},
-                "optim": {"device": "cpu"},
-                "stages": [{"steps": 1000, "data": str(data)}],
-                "checkpoint": {"every": 1},
-                "logging": {"tensorboard": False},
-            }
-        )
+    config = write_train_config(
+        tmp_path,
+        tiny_model_dir,
+        steps=1000,
+        engine={"backend": engine, "device": "cpu", "max_model_len": 1024, "kv_cache_gb": 0.1},
     )
     argv = tirl_argv("train", "--config", str(config), "seed=3")
     proc = subprocess.Popen(

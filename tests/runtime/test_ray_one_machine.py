@@ -5,53 +5,25 @@ placement no cluster can hold fails at once, in one line that names what to chan
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 from tests.terminal import run_tirl
+from tests.train_config import write_train_config
 
 pytest.importorskip("ray")
-
-
-def _config(tmp_path: Path, model_dir: Path) -> Path:
-    data = tmp_path / "problems.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
-            for i in range(4)
-        )
-    )
-    config = tmp_path / "train.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(model_dir),
-                "output_dir": str(tmp_path / "runs"),
-                "run_name": "r",
-                "engine": {"backend": "hf", "device": "cpu", "max_model_len": 1024, "max_batch_size": 4},
-                "agent": {"max_turns": 1, "max_response_tokens": 8},
-                "sandbox": {"mode": "inprocess", "slots": 1},
-                "reward": {"workers": 1},
-                "algorithm": {"prompts_per_step": 1, "group_size": 2},
-                "optim": {"device": "cpu"},
-                "stages": [{"steps": 1, "data": str(data)}],
-                "checkpoint": {"every": 1},
-                "logging": {"tensorboard": False},
-            }
-        )
-    )
-    return config
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # Ray and five actors that import torch, on a loaded 2-core machine
 def test_the_documented_one_machine_ray_command_trains_on_two_cores(tiny_model_dir, tmp_path):
     assert (os.cpu_count() or 1) < 5  # the defaults reserve 5 logical CPUs: more than this machine has
-    config = _config(tmp_path, tiny_model_dir)
+    config = write_train_config(
+        tmp_path,
+        tiny_model_dir,
+        engine={"backend": "hf", "device": "cpu", "max_model_len": 1024, "max_batch_size": 4},
+    )
     done = run_tirl(
         "train", "--config", str(config), "cluster.backend=ray", "cluster.trainer.ranks=2", timeout=840
     )
@@ -61,7 +33,11 @@ def test_the_documented_one_machine_ray_command_trains_on_two_cores(tiny_model_d
 
 
 def test_a_private_ray_too_small_for_the_actors_fails_before_starting(tiny_model_dir, tmp_path):
-    config = _config(tmp_path, tiny_model_dir)
+    config = write_train_config(
+        tmp_path,
+        tiny_model_dir,
+        engine={"backend": "hf", "device": "cpu", "max_model_len": 1024, "max_batch_size": 4},
+    )
     start = time.monotonic()
     done = run_tirl(
         "train",

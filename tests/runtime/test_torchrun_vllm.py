@@ -5,12 +5,10 @@ of the trainer's policy step after step (a corrupted sync shows as a large or Na
 from __future__ import annotations
 
 import importlib.util
-import json
-from pathlib import Path
 
 import pytest
-import yaml
 from tests.terminal import run_tirl
+from tests.train_config import write_train_config
 
 from tirl.distributed.weight_sync import free_port
 from tirl.rl.metrics import read_metrics
@@ -22,40 +20,19 @@ pytestmark = [
 ]
 
 
-def _config(tmp_path: Path, model_dir: Path) -> Path:
-    data = tmp_path / "problems.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
-            for i in range(4)
-        )
-    )
-    config = tmp_path / "train.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(model_dir),
-                "output_dir": str(tmp_path / "runs"),
-                "run_name": "r",
-                "seed": 3,
-                "engine": {"backend": "vllm", "max_model_len": 1024, "kv_cache_gb": 0.02},
-                "agent": {"max_turns": 1, "max_response_tokens": 16},
-                "sandbox": {"mode": "inprocess", "slots": 1},
-                "reward": {"workers": 1},
-                "algorithm": {"prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "entropy_coef": 0.1},
-                "optim": {"device": "cpu", "lr": 1e-3, "warmup_steps": 0},
-                "stages": [{"steps": 2, "data": str(data)}],
-                "checkpoint": {"every": 2},
-                "logging": {"tensorboard": False},
-            }
-        )
-    )
-    return config
-
-
 @pytest.mark.timeout(900)
 def test_torchrun_two_ranks_with_a_vllm_cpu_engine_keeps_engine_and_trainer_in_step(tiny_model_dir, tmp_path):
-    config = _config(tmp_path, tiny_model_dir)
+    config = write_train_config(
+        tmp_path,
+        tiny_model_dir,
+        steps=2,
+        seed=3,
+        engine={"backend": "vllm", "max_model_len": 1024, "kv_cache_gb": 0.02},
+        agent={"max_turns": 1, "max_response_tokens": 16},
+        algorithm={"prompts_per_step": 2, "group_size": 2, "mini_batches": 1, "entropy_coef": 0.1},
+        optim={"device": "cpu", "lr": 1e-3, "warmup_steps": 0},
+        checkpoint={"every": 2},
+    )
     torchrun = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     done = run_tirl("train", "--config", str(config), launcher=torchrun, timeout=850)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
