@@ -328,7 +328,8 @@ def _train_config(tmp_path: Path, model_dir: Path, steps: int, *overrides: str):
     return load_config(TrainConfig, path, list(overrides))
 
 
-@pytest.mark.slow  # three RL steps with rollouts on the HF engine (~1 min on 2 busy cores)
+@pytest.mark.slow  # three RL steps with rollouts on the HF engine (~1 min idle, ~4 min on 2 busy cores)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_rl_with_lora_engines_sample_from_the_adapter_every_step(tiny_model_dir, tmp_path, mode):
     """The silent failure of LoRA with (asynchronous) rollouts: engines that keep the base model. Here the
@@ -347,7 +348,8 @@ def test_rl_with_lora_engines_sample_from_the_adapter_every_step(tiny_model_dir,
     assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
 
 
-@pytest.mark.slow  # three RL runs (~2 min on 2 busy cores)
+@pytest.mark.slow  # three RL runs (~3 min idle, more than 5 on 2 busy cores)
+@pytest.mark.timeout(1800)
 def test_rl_with_lora_resumes_exactly(tiny_model_dir, tmp_path):
     from tirl.rl.metrics import read_metrics
     from tirl.rl.trainer import run_training
