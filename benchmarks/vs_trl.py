@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--trl-micro-batch", type=int, default=8, help="TRL's per_device_train_batch_size (sequences)"
     )
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation of the models")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep a side's finished training in OUT (e.g. evaluate after --no-eval)",
+    )
     ap.add_argument("--rss-interval", type=float, default=0.5, help="seconds between memory samples")
     ap.add_argument("overrides", nargs="*", help="demo settings, e.g. demo.seed=1 train.optim.lr=1e-4")
     # internal: one side's training in a child process
@@ -485,7 +490,7 @@ def run_trl(args: argparse.Namespace, engine: str, out: Path) -> dict:
         if f.is_file() and not (saved / f.name).exists():
             shutil.copy2(f, saved / f.name)
     logs = [r for r in trainer.state.log_history if "reward" in r]
-    per_round = logs[alg.mini_batches - 1 :: alg.mini_batches]
+    per_round = logs  # the reward is logged once per generation round, with its first update
     return {
         "side": "trl",
         "engine": engine,
@@ -550,6 +555,11 @@ class TreeMemory:
 
 def run_child(args: argparse.Namespace, side: str, engine: str, out: Path) -> dict:
     result_path = out / f"{side}_{engine}.json"
+    if args.reuse and result_path.is_file():
+        result = json.loads(result_path.read_text())
+        if "peak_rss_tree_mb" in result:
+            print(f"[vs_trl] {side} / {engine}: reusing {result_path}", flush=True)
+            return result
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--engine", engine]
     cmd += ["--demo", args.demo, "--out", str(out), "--trl-micro-batch", str(args.trl_micro_batch)]
@@ -573,7 +583,9 @@ def run_child(args: argparse.Namespace, side: str, engine: str, out: Path) -> di
         tail = (out / f"{side}_{engine}.log").read_text(errors="replace").splitlines()[-15:]
         return {"side": side, "engine": engine, "error": f"exit code {code}", "log_tail": tail}
     result = json.loads(result_path.read_text())
-    return result | {"process_wall_s": time.perf_counter() - start, "peak_rss_tree_mb": peak}
+    result |= {"process_wall_s": time.perf_counter() - start, "peak_rss_tree_mb": peak}
+    result_path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def evaluate(args: argparse.Namespace, results: list[dict], out: Path) -> None:
@@ -614,6 +626,10 @@ def summarize(r: dict) -> dict:
     }
 
 
+def _num(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
 def table(results: list[dict], sft_accuracy: float | None) -> str:
     head = (
         "| side | engine | steps | step s | rollout s | update s | generated tok/s | peak RSS tree / main MB "
@@ -629,7 +645,7 @@ def table(results: list[dict], sft_accuracy: float | None) -> str:
         lines.append(
             f"| {label} | {r['engine']} | {r['steps']} | {r['mean_step_s']:.1f} | {r['mean_rollout_s']:.1f} | "
             f"{r['mean_update_s']:.1f} | {r['generated_tokens_per_s']:.0f} | "
-            f"{r['peak_rss_tree_mb']:.0f} / {r['peak_rss_self_mb']:.0f} | {r['reward_last5']:.3f} | "
+            f"{r['peak_rss_tree_mb']:.0f} / {r['peak_rss_self_mb']:.0f} | {_num(r['reward_last5'], '.3f')} | "
             + ("n/a" if acc is None else f"{acc:.1f}%")
             + " |"
         )
