@@ -96,7 +96,7 @@ def test_a_run_stopped_by_its_alerts_says_what_alerted_and_the_command_that_goes
     """logging.alert_action=stop: no traceback, a non-zero exit, what alerted, that no checkpoint came
     before the alerts (step 1's was written while they went on), and a command that runs."""
     config = _alerting_config(tmp_path, tiny_model_dir)
-    done = _tirl("train", "--config", str(config), "seed=3")
+    done = run_tirl("train", "--config", str(config), "seed=3", timeout=420)  # a loaded machine: minutes
     assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
     assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()[-3:]
@@ -112,7 +112,7 @@ def test_a_run_stopped_by_its_alerts_says_what_alerted_and_the_command_that_goes
     assert lines[2] == f"  {again}", lines
     assert (run_dir / "checkpoints" / "step_000001").is_dir()  # written during the alerts: not offered
     # The command it gives runs (and, on these settings, stops the same way, in its own directory).
-    done = _tirl(*shlex.split(again)[1:])
+    done = run_tirl(*shlex.split(again)[1:], timeout=420)
     assert done.returncode == 1 and "after alerts on steps 1-2 of " in done.stderr, done.stderr[-3000:]
     assert (tmp_path / "runs" / "r-retry" / "checkpoints" / "step_000001").is_dir()
 
