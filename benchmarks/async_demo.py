@@ -97,8 +97,10 @@ def compare_seeds(results: dict[str, list[dict]], out: Path) -> dict:
     from tirl.rl.metrics import read_metrics
 
     training = {side: [read_metrics(Path(r["run_dir"])) for r in rows] for side, rows in results.items()}
-    accuracy = {side: [r["heldout_accuracy"] for r in rows] for side, rows in results.items()}
-    summary = summarize({"async": training["async"], "sync": training["sync"]}, accuracy)
+    # async first everywhere: the differences are async - sync, and each side keeps one colour per figure
+    order = ("async", "sync")
+    accuracy = {side: [r["heldout_accuracy"] for r in results[side]] for side in order}
+    summary = summarize({side: training[side] for side in order}, accuracy)
     summary["rl_wall_s"] = {side: [round(r["rl_wall_s"]) for r in rows] for side, rows in results.items()}
     (out / "seeds.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_comparison(summary, out, title="Asynchronous (k=1, TIS 2.0) vs synchronous GRPO-RoC")
