@@ -639,3 +639,46 @@ async def test_the_agent_loop_gets_the_runtimes_tokenizer_and_executor_and_each_
     assert env.passed and all(x == (tokenizer, executor, AGENT) for x in env.passed)
     assert sorted(map(id, env.seen)) == sorted(id(t) for g in got.groups for t in g)
     await p.close()
+
+
+async def test_exact_mode_waits_for_its_whole_batch_and_moves_through_every_batch(env):
+    wv = WeightVersions(0)
+    env.hold(0)
+    p = producer(env, wv, exact=True, prompts_per_step=1, max_staleness=0, steps=3)
+    order = EpochSampler(len(PROBLEMS), 11).next(3)
+    take = asyncio.create_task(p.take(0))
+    await settle()
+    assert not take.done()  # batch 0 is draw 0, still generating
+    env.hold(0).set()
+    got = await take
+    assert [pr.id for pr in got.problems] == [f"p{order[0]}"] and [len(g) for g in got.groups] == [2]
+    async with wv.syncing(1):
+        pass
+    p.synced(1)
+    for v in (1, 2):  # each sync moves the batch on by one: draw v is batch v
+        got = await step(p, wv, v)
+        assert [pr.id for pr in got.problems] == [f"p{order[v]}"] and p.steps_done == v + 1
+    assert pending(p) == []  # the stage's three batches are all taken: nothing more admitted
+    await p.close()
+
+
+async def test_two_takes_before_a_sync_both_hold_their_room(env):
+    p = producer(env, prompts_per_step=1, max_staleness=1, steps=5)
+    first = await p.take(0)
+    second = await p.take(0)  # a trainer taking the next step's groups before syncing
+    assert len(first.groups) == len(second.groups) == 1
+    assert p.room() == 0 and pending(p) == []  # both steps' groups count until the sync
+    p.synced(1)
+    assert [d[1] for d in pending(p)] == [2, 3]
+    await p.close()
+
+
+async def test_exact_mode_counts_the_missing_groups_of_a_partly_admitted_batch(env):
+    # resumed with draw 2 of batch 1 pending; the other admitted draw is new (index 5): draw 3 is missing
+    state = {"pending": [[0, 2, False]], "next_index": 5}
+    p = producer(env, exact=True, prompts_per_step=2, max_staleness=0, steps=4, steps_done=1, state=state)
+    assert [d[1] for d in pending(p)] == [2, 5]
+    with pytest.raises(RuntimeError) as err:
+        await p.take(1)
+    assert str(err.value) == "exact staleness: 1 group(s) of batch 1 were never admitted"
+    await p.close()
