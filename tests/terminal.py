@@ -43,3 +43,15 @@ def run_tirl(*args: str, timeout: float, launcher: Sequence[str] = ()) -> subpro
     return subprocess.run(
         tirl_argv(*args, launcher=launcher), env=tirl_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_torchrun(
+    script: str | Path, *args: str, nproc: int = 2, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """`script ARGS` in `nproc` local torchrun processes (one intra-op thread each: 2 cores) with
+    tirl_env(); its output captured as text."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = tirl_env() | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*cmd, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )

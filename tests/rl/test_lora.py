@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.terminal import run_torchrun
 
 from tirl.config import ConfigError, load_config
 from tirl.distributed.groups import DistInfo
@@ -114,20 +113,7 @@ def test_adapter_only_parameters_train_and_the_base_does_not_move(tiny_model_dir
 def test_two_fsdp2_processes_train_the_adapter_as_one_and_resume_exactly(tiny_model_dir, tmp_path):
     single = _worker().run(str(tiny_model_dir), str(tmp_path / "one"))
     out = tmp_path / "dist.json"
-    src = str(Path(__file__).parents[2] / "src")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(WORKER), str(tiny_model_dir), str(tmp_path / "two"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_torchrun(WORKER, str(tiny_model_dir), str(tmp_path / "two"), str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     dist = json.loads(out.read_text())
     assert dist["world"] == 2 and single["world"] == 1

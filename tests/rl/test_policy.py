@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.terminal import run_torchrun
 
 from tirl.rl.policy import lr_factor, pack_micro_batches
 
@@ -43,20 +41,7 @@ def test_two_fsdp2_processes_match_one(tiny_model_dir, tmp_path):
     """Same fixed batches, 2 mini-batch updates per step, uneven micro-batches across ranks."""
     single = _load_worker().run_updates(str(tiny_model_dir))
     out = tmp_path / "dist.json"
-    src = str(Path(__file__).parents[2] / "src")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(WORKER), str(tiny_model_dir), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_torchrun(WORKER, str(tiny_model_dir), str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     dist = json.loads(out.read_text())
     assert dist["world"] == 2 and single["world"] == 1
