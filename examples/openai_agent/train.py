@@ -1,6 +1,7 @@
 """GRPO-RoC on tirl's demo task, the rollouts played by a plain OpenAI-client agent (agent.py).
 
-    python examples/openai_agent/train.py --model runs/demo/sft --steps 20 --out runs/openai_agent
+    python examples/openai_agent/train.py --model runs/demo/sft --problems runs/demo/data/rl_train.jsonl \
+        --steps 20 --out runs/openai_agent
 
 The agent talks to tirl's OpenAI-compatible endpoint, which records each episode's exact tokens, loss
 mask and log-probs; the episodes are then scored, down-sampled by RoC and trained on exactly as
@@ -23,6 +24,8 @@ from openai import AsyncOpenAI
 
 from agent import solve  # this directory is on sys.path when the script runs
 from tirl.agent.openai_server import ChatRecorder, OpenAIEndpoint
+from tirl.data.loaders import load_problems
+from tirl.demo.pipeline import load_settings
 from tirl.demo.synthetic import generate
 from tirl.distributed.groups import init_distributed
 from tirl.engines import EngineConfig, SingleEnginePool, load_tokenizer
@@ -40,13 +43,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model", required=True, help="model directory or tirl run directory (e.g. runs/demo/sft)"
     )
+    p.add_argument(
+        "--problems",
+        default="",
+        help="training problems: a JSONL file (or any file tirl.data.loaders.load_problems reads), e.g. "
+        "runs/demo/data/rl_train.jsonl; default: the demo's RL split regenerated (the same 2000 problems "
+        "`tirl demo` writes there with its default settings)",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=8, help="problems per step")
     p.add_argument("--group", type=int, default=8, help="G: rollouts trained on per problem (2G are played)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--max-turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=192, help="per turn")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="order of the problems, sampling, RoC")
     p.add_argument("--metrics", default="", help="JSONL file for one line of metrics per step")
     p.add_argument(
         "--out",
@@ -91,7 +101,8 @@ async def train(args: argparse.Namespace) -> list[dict]:
         SingleEnginePool(engine), tokenizer, max_response_tokens=budget, prefill="<reason>"
     )
     endpoint = OpenAIEndpoint(recorder)
-    problems = generate(args.steps * args.prompts, "train", seed=args.seed)
+    problems = training_problems(args.problems)
+    random.Random(args.seed).shuffle(problems)  # a seeded order (cycled when steps x prompts is more)
     rng = random.Random(args.seed)
     history = []
     try:
@@ -112,9 +123,18 @@ async def train(args: argparse.Namespace) -> list[dict]:
     return history
 
 
+def training_problems(path: str) -> list:
+    """The problems of `path`, or the demo's RL split: the draw after its SFT problems (generate is
+    prefix-stable, so this is runs/demo/data/rl_train.jsonl of a default `tirl demo`)."""
+    if path:
+        return load_problems(path)
+    demo = load_settings().demo
+    return generate(demo.sft_problems + demo.rl_problems, "train", seed=demo.seed)[demo.sft_problems :]
+
+
 async def one_step(step, problems, rng, endpoint, scorer, learner, engine, alg, args) -> dict:
     start = time.perf_counter()
-    batch = problems[step * args.prompts : (step + 1) * args.prompts]
+    batch = [problems[(step * args.prompts + i) % len(problems)] for i in range(args.prompts)]
     groups = await asyncio.gather(
         *(play_group(endpoint, p, step, alg.oversample * alg.group_size, args) for p in batch)
     )
