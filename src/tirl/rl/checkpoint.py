@@ -192,7 +192,7 @@ def resolve_model_path(path: str) -> str:
     """A tirl run directory means its newest checkpoint's model; a checkpoint directory its model/;
     a model directory or a Hugging Face id (org/name) is returned as given. A local path that does not
     exist is a FileNotFoundError here, not a hub lookup that fails (offline) after retries."""
-    from tirl.rl.lora import ADAPTER_DIR, is_adapter_dir, merge_adapter, merged_model_dir
+    from tirl.rl.lora import ADAPTER_DIR, is_adapter_dir, merged_adapter_dir, merged_model_dir
 
     p = Path(path).expanduser()
     if (p / "checkpoints").is_dir():
@@ -202,7 +202,7 @@ def resolve_model_path(path: str) -> str:
     if is_adapter_dir(p / ADAPTER_DIR):  # a LoRA checkpoint
         return str(merged_model_dir(p))
     if is_adapter_dir(p) and not (p / "config.json").is_file():  # a peft adapter directory
-        return str(merge_adapter(p, p.with_name(p.name + "-merged")))
+        return str(merged_adapter_dir(p))
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(
@@ -216,6 +216,46 @@ def resolve_model_path(path: str) -> str:
             "tiny one), a tirl run or checkpoint directory, or a Hugging Face id (org/name)"
         )
     return path
+
+
+def export_model(source: str | Path, out: str | Path) -> str:
+    """`tirl export`: a plain Hugging Face model directory at `out` (with its tokenizer and agent
+    settings) from a run (its newest checkpoint), a checkpoint, a peft adapter directory (merged into
+    the base it names) or a model directory (copied). An existing model directory at `out` is replaced;
+    any other non-empty one is refused. Returns what was done, in one line."""
+    from tirl.rl.lora import ADAPTER_DIR, adapter_base, build_dir, is_adapter_dir, is_model_dir, merge_adapter
+
+    src, out = Path(source).expanduser(), Path(out).expanduser()
+    if not src.is_dir():
+        raise FileNotFoundError(
+            f"model {source}: no such directory; give a tirl run, checkpoint, peft adapter or model directory"
+        )
+    ckpt = src
+    if (src / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(src)
+        if ckpt is None:
+            raise FileNotFoundError(f"model {source}: no checkpoint under {src / 'checkpoints'}")
+    if (ckpt / "model" / "config.json").is_file():
+        model, adapter = ckpt / "model", None
+    elif is_adapter_dir(ckpt / ADAPTER_DIR):
+        model, adapter = None, ckpt / ADAPTER_DIR
+    elif is_adapter_dir(ckpt) and not is_model_dir(ckpt):
+        model, adapter = None, ckpt
+    elif is_model_dir(ckpt):
+        model, adapter = ckpt, None
+    else:
+        raise FileNotFoundError(
+            f"model {source}: not a tirl run, checkpoint, peft adapter or model directory "
+            "(no model/, adapter/, config.json or adapter_config.json)"
+        )
+    if src.resolve() == out.resolve() or out.resolve() in src.resolve().parents:
+        raise FileExistsError(f"--out {out}: it holds the model being exported; choose another directory")
+    replaced = " (replacing the model that was there)" if is_model_dir(out) else ""
+    if adapter is not None:
+        merge_adapter(adapter, out, replace=True)
+        return f"wrote {out}{replaced}: the adapter {adapter} merged into its base {adapter_base(adapter)}"
+    build_dir(out, lambda tmp: shutil.copytree(model, tmp, dirs_exist_ok=True), replace=True)
+    return f"wrote {out}{replaced}: a copy of {model}"
 
 
 def prepare_run_dir(

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -226,35 +228,81 @@ def adapter_base(adapter_dir: str | Path) -> str:
     return str(base)
 
 
-def merge_adapter(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, replace: bool = False) -> Path:
     """The adapter merged into its base: a plain Hugging Face model directory (fp32 safetensors, the
-    tokenizer and tirl's agent settings copied along), written atomically."""
+    tokenizer and tirl's agent settings copied along), built beside out_dir and renamed into place
+    (build_dir: safe when several processes merge the same adapter at once). An existing merge is
+    reused, unless `replace`."""
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    if not replace and is_model_dir(out_dir):
+        return out_dir
+    return build_dir(out_dir, lambda tmp: _write_merged(adapter_dir, tmp), replace)
+
+
+def build_dir(out_dir: Path, build: Callable[[Path], None], replace: bool = False) -> Path:
+    """out_dir as `build` fills it, appearing whole or not at all. Several processes may ask for the
+    same directory at once (trainer ranks, eval and chat on one checkpoint): each builds into its own
+    hidden temp directory and renames it into place; the first rename wins, a later caller discards its
+    copy and returns the winner's. A finished directory is never removed, since another process may be
+    reading it, except with `replace` (an explicit export), and then only a model directory or an empty
+    one: it is moved aside first (a rename: open files stay readable), then deleted."""
+    out_dir = Path(out_dir)
+    if replace and out_dir.exists() and not is_model_dir(out_dir) and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not a model directory: it is left alone")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        build(tmp)
+        if replace and out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, out_dir)  # fails when out_dir exists (and is not empty): another caller won
+        except OSError:
+            if not is_model_dir(out_dir):
+                raise FileExistsError(f"{out_dir} exists and is not a model directory") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # already gone when the rename succeeded
+    return out_dir
+
+
+def _write_merged(adapter_dir: Path, out: Path) -> None:
     peft = require_peft()
     from transformers import AutoModelForCausalLM
 
-    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     base_path = adapter_base(adapter_dir)
     try:
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     except OSError as e:
         raise FileNotFoundError(f"{adapter_dir}: cannot load its base model {base_path!r}: {e}") from e
     merged = peft.PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, safe_serialization=True)
+    merged.save_pretrained(out, safe_serialization=True)
     for f in adapter_dir.iterdir():  # tokenizer files, tirl_agent.yaml
-        if f.is_file() and not f.name.startswith("adapter_") and not (tmp / f.name).exists():
-            shutil.copy2(f, tmp / f.name)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
+        if f.is_file() and not f.name.startswith("adapter_") and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
+
+
+def is_model_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def merged_adapter_dir(adapter_dir: str | Path) -> Path:
+    """A bare peft adapter directory's plain HF model: <adapter>-merged beside it, merged again when the
+    adapter's weights are newer than it (the adapter was trained on)."""
+    adapter_dir = Path(adapter_dir)
+    out = adapter_dir.with_name(adapter_dir.name + "-merged")
+    weights = [adapter_dir / f for f in ("adapter_model.safetensors", "adapter_model.bin")]
+    newest = max((f.stat().st_mtime for f in weights if f.is_file()), default=0.0)
+    if not is_model_dir(out):
+        return merge_adapter(adapter_dir, out)
+    if (out / "config.json").stat().st_mtime < newest:
+        return merge_adapter(adapter_dir, out, replace=True)
+    return out
 
 
 def merged_model_dir(ckpt: str | Path) -> Path:
-    """A LoRA checkpoint's plain HF model: <ckpt>/merged, merged from <ckpt>/adapter on first use."""
-    ckpt = Path(ckpt)
-    out = ckpt / MERGED_DIR
-    if not (out / "config.json").is_file():
-        merge_adapter(ckpt / ADAPTER_DIR, out)
-    return out
+    """A LoRA checkpoint's plain HF model: <ckpt>/merged, merged from <ckpt>/adapter on first use (by
+    whichever process gets there first: merge_adapter)."""
+    out = Path(ckpt) / MERGED_DIR
+    return out if is_model_dir(out) else merge_adapter(Path(ckpt) / ADAPTER_DIR, out)
