@@ -318,6 +318,10 @@ def test_a_late_merge_keeps_the_finished_directory_another_process_reads(lora_ru
 
     adapter = latest_checkpoint(lora_run) / "adapter"
     out = merge_adapter(adapter, tmp_path / "merged")
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    assert out.stat().st_mode == probe.stat().st_mode  # readable as any directory made here (not 0700)
+    probe.rmdir()
     inode = (out / "model.safetensors").stat().st_ino
     assert merge_adapter(adapter, out) == out and (out / "model.safetensors").stat().st_ino == inode
     raced = tmp_path / "raced"

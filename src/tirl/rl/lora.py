@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -250,11 +250,11 @@ def build_dir(out_dir: Path, build: Callable[[Path], None], replace: bool = Fals
     if replace and out_dir.exists() and not is_model_dir(out_dir) and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not a model directory: it is left alone")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = _fresh_dir(out_dir)
     try:
         build(tmp)
         if replace and out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            old = _fresh_dir(out_dir)
             os.replace(out_dir, old / out_dir.name)
             shutil.rmtree(old, ignore_errors=True)
         try:
@@ -265,6 +265,14 @@ def build_dir(out_dir: Path, build: Callable[[Path], None], replace: bool = Fals
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # already gone when the rename succeeded
     return out_dir
+
+
+def _fresh_dir(beside: Path) -> Path:
+    """A new hidden directory beside `beside`, unique to this call (not tempfile.mkdtemp: its mode 0700
+    would stay with the model renamed into place)."""
+    path = beside.with_name(f".{beside.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    path.mkdir()
+    return path
 
 
 def _write_merged(adapter_dir: Path, out: Path) -> None:
