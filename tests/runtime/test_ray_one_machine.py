@@ -7,29 +7,75 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
+import torch
 from tests.terminal import run_tirl
 from tests.train_config import write_train_config
 
 pytest.importorskip("ray")
 
 
+# LoRA on the Ray trainer workers: 2 steps (step 2 samples after the first sync of merged layers), an
+# entropy bonus and a large learning rate so the adapter moves although an untrained model earns no reward
+LORA = [
+    "optim.lora.enabled=true", "optim.lora.rank=4", "optim.lora.alpha=16", "optim.lora.target_modules=q_proj,v_proj",
+    "optim.lr=0.03", "optim.warmup_steps=0", "algorithm.entropy_coef=0.1", "stages.0.steps=2",
+]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # Ray and five actors that import torch, on a loaded 2-core machine
-def test_the_documented_one_machine_ray_command_trains_on_two_cores(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("lora", [False, pytest.param(True, id="lora")])
+def test_the_documented_one_machine_ray_command_trains_on_two_cores(tiny_model_dir, tmp_path, lora):
     assert (os.cpu_count() or 1) < 5  # the defaults reserve 5 logical CPUs: more than this machine has
     config = write_train_config(
         tmp_path,
         tiny_model_dir,
         engine={"backend": "hf", "device": "cpu", "max_model_len": 1024, "max_batch_size": 4},
     )
+    overrides = LORA if lora else []
     done = run_tirl(
-        "train", "--config", str(config), "cluster.backend=ray", "cluster.trainer.ranks=2", timeout=840
+        "train",
+        "--config",
+        str(config),
+        "cluster.backend=ray",
+        "cluster.trainer.ranks=2",
+        *overrides,
+        timeout=840,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "step 1 " in done.stderr and f"run: {tmp_path / 'runs' / 'r'}" in done.stdout, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+    if lora:
+        check_lora_run(tmp_path / "runs" / "r", tiny_model_dir)
+
+
+def check_lora_run(run_dir: Path, base_dir: Path) -> None:
+    """The Ray trainer workers trained the adapters only: the checkpoint holds adapter/ (no model/) and
+    shards with adapter weights and their AdamW state only; merged, the model differs from the base in the
+    adapted layers only; and the engine sampled with the trainer's log-probs at every step."""
+    from safetensors.torch import load_file
+
+    from tirl.rl.checkpoint import export_model, latest_checkpoint, read_saved_training_state
+    from tirl.rl.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    gaps = [r["train/engine_logprob_gap"] for r in rows]
+    assert max(gaps) < 1e-4, gaps
+    ckpt = latest_checkpoint(run_dir)
+    assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() and not (ckpt / "model").exists()
+    saved = read_saved_training_state(ckpt)
+    assert saved["model"] and all(".lora_" in k for k in saved["model"])
+    optim = saved["optim"]["state"]
+    assert optim and all(".lora_" in k for k in optim), list(optim)
+    export_model(run_dir, run_dir.parent / "exported")
+    merged = load_file(str(run_dir.parent / "exported" / "model.safetensors"))
+    base = load_file(str(base_dir / "model.safetensors"))
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
 
 
 def test_a_private_ray_too_small_for_the_actors_fails_before_starting(tiny_model_dir, tmp_path):
