@@ -7,7 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tirl.distributed.weight_sync import ALIGN, Entry, SyncGroup, layer_group, plan_buckets, plan_entries
+from tirl.distributed.weight_sync import (
+    ALIGN,
+    Entry,
+    Lazy,
+    SyncGroup,
+    _full,
+    _pack,
+    layer_group,
+    plan_buckets,
+    plan_entries,
+)
 
 
 @pytest.mark.parametrize(
@@ -114,3 +124,67 @@ def test_plan_entries_cast_floating_parameters_only_and_send_tied_ones_once():
 def test_sync_group_defaults_and_plain_values():
     g = SyncGroup("h", 123, 3)
     assert g.as_dict() == {"host": "h", "port": 123, "world_size": 3, "backend": "gloo", "timeout_s": 600.0}
+
+
+# ---- LoRA's path: `tensors` in place of the model's parameters, Lazy ones made only when packed ----
+
+
+def test_plan_entries_of_given_tensors_in_their_order_lazy_ones_left_unmade():
+    """With `tensors` the plan is theirs (not the model's), in their order; a Lazy tensor is planned
+    from its shape and dtype without being made; floating ones (Lazy or not) take the wire dtype."""
+    made = []
+    tensors = {
+        "model.layers.0.q.weight": Lazy((4, 2), torch.float32, lambda: made.append(1) or torch.ones(4, 2)),
+        "count": torch.zeros(3, dtype=torch.int64),
+        "norm": torch.ones(5, dtype=torch.float16),
+    }
+    assert plan_entries(Toy(), None, tensors) == [
+        Entry("model.layers.0.q.weight", (4, 2), "torch.float32"),
+        Entry("count", (3,), "torch.int64"),
+        Entry("norm", (5,), "torch.float16"),
+    ]
+    wire = [e.dtype for e in plan_entries(Toy(), torch.bfloat16, tensors)]
+    assert wire == ["torch.bfloat16", "torch.int64", "torch.bfloat16"]
+    assert plan_entries(Toy(), None, {}) == []  # nothing given, nothing sent (not the model's)
+    assert made == []
+
+
+def test_full_makes_a_lazy_tensor_gathers_a_shard_and_passes_a_plain_tensor():
+    t = torch.arange(3.0)
+
+    class Shard:  # a DTensor's stand-in: full_tensor() is the all-gather
+        def full_tensor(self):
+            return t + 1
+
+    assert _full(t) is t
+    assert torch.equal(_full(Lazy((3,), torch.float32, lambda: t * 2)), t * 2)
+    assert torch.equal(_full(Shard()), t + 1)
+
+
+def _wire_bytes(t: torch.Tensor, dtype: torch.dtype) -> list[int]:
+    return t.to(dtype).contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+def test_pack_casts_each_tensor_into_its_aligned_slot_and_makes_lazy_ones_on_every_rank():
+    """Rank 0: each tensor, cast to its wire dtype, at the start of its slot (0, 128, 192 for slots of
+    128, 64 and 64 bytes), the padding untouched. Every rank, with or without a buffer, makes the Lazy
+    tensors and gathers the shards, in plan order (they may be collectives)."""
+    calls = []
+    q = torch.tensor([[1.5, -2.0], [3.25, 4.0]])
+    params = {
+        "a": torch.arange(40, dtype=torch.float32) / 4,  # 80 bytes in bf16: a 128-byte slot
+        "q": Lazy((2, 2), torch.float32, lambda: calls.append("q") or q),
+        "n": torch.tensor([7, -1, 2**40], dtype=torch.int64),
+    }
+    bucket = plan_entries(Toy(), torch.bfloat16, params)
+    assert [e.slot for e in bucket] == [128, 64, 64]
+    buf = torch.full((256,), 0xAB, dtype=torch.uint8)
+    _pack(buf, bucket, params)
+    want = [0xAB] * 256
+    want[0:80] = _wire_bytes(params["a"], torch.bfloat16)
+    want[128:136] = _wire_bytes(q, torch.bfloat16)
+    want[192:216] = _wire_bytes(params["n"], torch.int64)
+    assert buf.tolist() == want
+    assert calls == ["q"]
+    _pack(None, bucket, params)  # another FSDP rank: no buffer, the same gathers
+    assert calls == ["q", "q"]
