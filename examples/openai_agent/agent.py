@@ -12,15 +12,16 @@ import re
 import subprocess
 import sys
 
-from openai import AsyncOpenAI
+from openai import APIStatusError, AsyncOpenAI
 
 TOOL = {"name": "python", "parameters": {"properties": {"code": {"type": "string"}}, "required": ["code"]}}
 SYSTEM = "Use the python tool.\n\n# Tools\n<tools>\n" + json.dumps(TOOL) + "\n</tools>"
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def run_python(code: str, timeout_s: float = 2.0) -> str:
-    """The agent's tool: the code's output and a status line ("42\\n[ok]")."""
+def run_python(code: str, timeout_s: float = 2.0, max_chars: int = 400) -> str:
+    """The agent's tool: the code's output (its first max_chars, as the demo's agent keeps) and a
+    status line ("42\\n[ok]")."""
     try:
         done = subprocess.run(
             [sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=timeout_s
@@ -29,7 +30,7 @@ def run_python(code: str, timeout_s: float = 2.0) -> str:
         return f"[timeout: Timed out after {timeout_s:g} s]"
     status = "ok" if done.returncode == 0 else "runtime_error"
     body = done.stdout + (done.stderr.strip().splitlines()[-1] + "\n" if done.stderr.strip() else "")
-    return f"{body}[{status}]"
+    return f"{body[:max_chars]}[{status}]"
 
 
 def tool_output(turn: str) -> str | None:
@@ -51,14 +52,17 @@ async def solve(
     messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": problem}]
     text = ""
     for turn in range(max_turns):
-        reply = await client.chat.completions.create(
-            model="policy",
-            messages=messages,
-            temperature=1.0,
-            max_tokens=max_tokens,
-            stop=["</tool_call>"],  # run the call the moment it is written
-            seed=seed * 100 + turn,
-        )
+        try:
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=messages,
+                temperature=1.0,
+                max_tokens=max_tokens,
+                stop=["</tool_call>"],  # run the call the moment it is written
+                seed=seed * 100 + turn,
+            )
+        except APIStatusError:  # no room for another turn (token budget or context used up): done
+            break
         text = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": text})
         output = tool_output(text)

@@ -81,7 +81,13 @@ async def play_group(endpoint: OpenAIEndpoint, problem, step: int, n: int, args)
             )
         return await asyncio.to_thread(endpoint.finish, tid, problem.id, j)
 
-    return list(await asyncio.gather(*(one(j) for j in range(n))))
+    # Every episode ends (and is finished) before an error propagates: endpoint.close() must not
+    # run while another episode's finish is still waiting on it.
+    done = await asyncio.gather(*(one(j) for j in range(n)), return_exceptions=True)
+    for result in done:
+        if isinstance(result, BaseException):
+            raise result
+    return done
 
 
 async def train(args: argparse.Namespace) -> list[dict]:

@@ -77,6 +77,7 @@ def test_the_agents_tool_runs_python_and_reports_errors():
         sys.path.remove(str(EXAMPLE))
     assert run_python("print(6*7)") == "42\n[ok]"
     assert run_python("1/0").endswith("ZeroDivisionError: division by zero\n[runtime_error]")
+    assert run_python("print('x' * 1000)") == "x" * 400 + "[ok]"  # the demo agent's 400 characters
     assert tool_output("no call") is None
     assert (
         tool_output('<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>')
