@@ -3,7 +3,7 @@
 RL wall and step time, trainable parameters, the trainer's gradient + AdamW bytes, and the peak RSS of
 each side's process.
 
-    .venv/bin/python benchmarks/lora_demo.py --demo runs/demo [--rank 16] [--lr 3e-3] [--out runs/lora_demo]
+    .venv/bin/python benchmarks/lora_demo.py --demo runs/demo [--rank 16] [--lr 1e-3] [--out runs/lora_demo]
 
 The two sides run at the same time, each in its own process, so both see the same machine load (on a
 shared 2-core machine, back to back runs see different loads and their times do not compare). Each
@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--demo", required=True, help="a finished `tirl demo` output directory")
     ap.add_argument("--out", default="runs/lora_demo")
     ap.add_argument("--rank", type=int, default=16, help="optim.lora.rank (alpha = 2 x rank)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="the LoRA side's optim.lr")
+    ap.add_argument("--lr", type=float, default=1e-3, help="the LoRA side's optim.lr")
     ap.add_argument("--side", choices=SIDES, help="run one side in this process (the parent runs both)")
     ap.add_argument("overrides", nargs="*", help="demo settings for both sides, e.g. demo.seed=1")
     return ap.parse_args(argv)

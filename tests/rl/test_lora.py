@@ -607,7 +607,7 @@ def test_the_memory_plan_counts_adapter_state_only(tiny_model_dir):
 def test_the_demo_takes_its_lora_variant_as_overrides():
     from tirl.demo.pipeline import load_settings, train_config
 
-    settings = load_settings(overrides=["train.optim.lora.enabled=true", "train.optim.lr=3e-3"])
+    settings = load_settings(overrides=["train.optim.lora.enabled=true", "train.optim.lr=1e-3"])
     cfg = train_config(settings, Path("model"), "data.jsonl", Path("out"), "rl-lora")
     assert cfg.optim.lora.enabled and cfg.optim.lora.target_modules == ["all-linear"]
-    assert cfg.optim.lr == 3e-3 and cfg.optim.lora.dropout == 0
+    assert cfg.optim.lr == 1e-3 and cfg.optim.lora.dropout == 0
