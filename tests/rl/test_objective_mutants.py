@@ -551,3 +551,31 @@ def test_a_frozen_input_gets_no_gradient_buffer(frozen, b, t, h, v):
     frozen_t, trained = (hidden, weight) if frozen == "hidden" else (weight, hidden)
     assert frozen_t.grad is None and trained.grad is not None
     assert probe.largest < frozen_t.numel()
+
+
+class _LogitRows(TorchDispatchMode):
+    """Counts the rows of logits ([rows, V] matmul outputs) computed."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == self.vocab:
+            self.rows += out.shape[0]
+        return out
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 10, 64])
+def test_each_tokens_logits_are_computed_once_forward_and_once_backward(chunk):
+    """Chunks do not overlap: forward computes 10 tokens' logits once (10 rows), backward rebuilds
+    each once more, whatever the chunk size."""
+    hidden, weight, targets, a, c = _head_inputs(h=3, v=11)
+    hidden.requires_grad_()
+    with _LogitRows(11) as probe:
+        logprobs, entropy = chunked_logprobs(hidden, weight, targets, chunk)
+    assert probe.rows == 10
+    with _LogitRows(11) as probe:
+        ((logprobs * a).sum() + (entropy * c).sum()).backward()
+    assert probe.rows == 10
