@@ -18,6 +18,7 @@ import json
 import random
 import shutil
 import time
+import traceback
 from pathlib import Path
 
 from openai import AsyncOpenAI
@@ -81,13 +82,15 @@ async def play_group(endpoint: OpenAIEndpoint, problem, step: int, n: int, args)
             )
         return await asyncio.to_thread(endpoint.finish, tid, problem.id, j)
 
-    # Every episode ends (and is finished) before an error propagates: endpoint.close() must not
-    # run while another episode's finish is still waiting on it.
+    # An episode that fails (the agent or the endpoint raised) is reported and left out; the others
+    # still train. Raising instead would close the endpoint under episodes still being finished.
     done = await asyncio.gather(*(one(j) for j in range(n)), return_exceptions=True)
     for result in done:
-        if isinstance(result, BaseException):
+        if isinstance(result, Exception):
+            traceback.print_exception(result)
+        elif isinstance(result, BaseException):
             raise result
-    return done
+    return [t for t in done if not isinstance(t, BaseException)]
 
 
 async def train(args: argparse.Namespace) -> list[dict]:
@@ -159,6 +162,7 @@ async def one_step(step, problems, rng, endpoint, scorer, learner, engine, alg, 
         "tool_calls": sum(t.num_tool_calls for t in everyone) / len(everyone),
         "response_tokens": sum(t.response_length for t in everyone) / len(everyone),
         "samples": len(samples),
+        "failed_episodes": len(batch) * alg.oversample * alg.group_size - len(everyone),
         "loss": update.get("train/loss"),
         "seconds": round(time.perf_counter() - start, 1),
     }
