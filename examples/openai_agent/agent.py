@@ -7,6 +7,7 @@ output back as a `tool` message and repeats until the model answers. Pointed at 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -65,7 +66,7 @@ async def solve(
             break
         text = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": text})
-        output = tool_output(text)
+        output = await asyncio.to_thread(tool_output, text)  # many episodes share this event loop
         if output is None or reply.choices[0].finish_reason == "length":
             break
         messages.append({"role": "tool", "content": output})

@@ -264,6 +264,25 @@ def test_openai_client_over_http(engine, tokenizer):
         endpoint.close()
 
 
+def test_an_idle_connection_outlives_the_clients_keep_alive(engine, tokenizer):
+    """An agent's connection idles while its tool runs; the endpoint must not be the side that closes
+    it first (httpx drops idle connections after 5 s), or a request sent as it closes is lost."""
+    import socket
+    import time
+
+    endpoint = OpenAIEndpoint(ChatRecorder(SingleEnginePool(engine), tokenizer, max_response_tokens=8))
+    host, port = endpoint.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: keep-alive\r\n\r\n".encode()
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            for wait in (0.0, 6.0):  # longer than httpx's and uvicorn's default 5 s
+                time.sleep(wait)
+                conn.sendall(request)
+                assert conn.recv(4096).startswith(b"HTTP/1.1 200"), f"closed after {wait} s idle"
+    finally:
+        endpoint.close()
+
+
 def tirl_system_prompt(cfg) -> str:
     """tirl's built-in ChatML system turn (agent.use_chat_template=false) as one system message."""
     from tirl.agent.protocol import tool_schemas

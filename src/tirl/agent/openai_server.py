@@ -472,6 +472,13 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+# An agent's connection idles while its tools run. Whichever side closes an idle connection first races
+# the other's next use of it: a server closing it just as the client sends drops that request (the
+# client sees a connection error, not a status). Servers conventionally wait longer than clients
+# (httpx, under the openai client, drops idle connections after 5 s; uvicorn's default is also 5 s).
+KEEP_ALIVE_S = 75
+
+
 class OpenAIEndpoint:
     """The app served by uvicorn on its own thread and event loop (the recorder and its engine leases
     live on that loop); `finish` is callable from any thread."""
@@ -487,7 +494,9 @@ class OpenAIEndpoint:
                 port = s.getsockname()[1]
         self.recorder = recorder
         self.url = f"http://{host}:{port}"
-        config = uvicorn.Config(create_app(recorder), host=host, port=port, log_level="warning")
+        config = uvicorn.Config(
+            create_app(recorder), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
+        )
         self._server = uvicorn.Server(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="tirl-openai-endpoint", daemon=True)
