@@ -267,19 +267,24 @@ def test_openai_client_over_http(engine, tokenizer):
 def test_an_idle_connection_outlives_the_clients_keep_alive(engine, tokenizer):
     """An agent's connection idles while its tool runs; the endpoint must not be the side that closes
     it first (httpx drops idle connections after 5 s), or a request sent as it closes is lost."""
-    import socket
+    import http.client
     import time
 
     endpoint = OpenAIEndpoint(ChatRecorder(SingleEnginePool(engine), tokenizer, max_response_tokens=8))
     host, port = endpoint.url.removeprefix("http://").split(":")
-    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: keep-alive\r\n\r\n".encode()
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
-        with socket.create_connection((host, int(port)), timeout=30) as conn:
-            for wait in (0.0, 6.0):  # longer than httpx's and uvicorn's default 5 s
-                time.sleep(wait)
-                conn.sendall(request)
-                assert conn.recv(4096).startswith(b"HTTP/1.1 200"), f"closed after {wait} s idle"
+        sockets = []
+        for wait in (0.0, 6.0):  # longer than httpx's and uvicorn's default 5 s
+            time.sleep(wait)
+            conn.request("GET", "/health")  # raises RemoteDisconnected if the server closed it
+            response = conn.getresponse()
+            assert response.status == 200, f"answered {response.status} after {wait} s idle"
+            response.read()  # the whole body, so the next request starts on a clean stream
+            sockets.append(conn.sock)
+        assert sockets[0] is sockets[1], "the client had to reconnect"
     finally:
+        conn.close()
         endpoint.close()
 
 
