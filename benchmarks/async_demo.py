@@ -6,6 +6,7 @@ a finished `tirl demo` directory (same SFT model, data, seed, step budget and ev
     .venv/bin/python benchmarks/async_demo.py --demo runs/demo [--k 1] [--tis-cap off] \
         [--staleness-mode exact] [--only async] [--out runs/async_demo] [demo.seed=1 ...]
     .venv/bin/python benchmarks/async_demo.py --demo runs/demo --seeds 5    # seeds 0-4, both sides
+    .venv/bin/python benchmarks/async_demo.py --demo runs/demo --seeds 5 --hog 2  # beside a CPU-heavy job
 
 With `--seeds N` both sides run for seeds 0..N-1 (a run whose OUT/<run>.json exists is not run again, so
 an interrupted comparison continues; `--first-seed` splits the seeds between calls run at once), then
@@ -24,7 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from statistics import mean
 
@@ -49,6 +54,19 @@ def _guard_rails(rows: list[dict]) -> dict:
         "tis_truncated_max": _max(rows, "train/tis_truncated_frac"),
         "first_alert_step": alerting[0] if alerting else None,
     }
+
+
+@contextmanager
+def cpu_hog(processes: int) -> Iterator[None]:
+    """A CPU-heavy job beside the runs at their own priority: `processes` single-core busy loops, each
+    one process's worth of a compile or a test suite, killed when the block ends."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def run(settings: DemoSettings, demo: Path, out: Path, name: str) -> dict:
@@ -177,6 +195,7 @@ def main() -> None:
         default=0,
         help="with --seeds: start at this seed (share seeds between calls)",
     )
+    ap.add_argument("--hog", type=int, default=0, help="busy processes beside the runs (a CPU-heavy job)")
     ap.add_argument("--name", help="the async run's name (default async_k<k>[_exact][_tis<cap>]_seed<seed>)")
     ap.add_argument("overrides", nargs="*", help="demo settings, e.g. demo.rl_steps=10 demo.seed=1")
     args = ap.parse_args()
@@ -184,6 +203,11 @@ def main() -> None:
     if not (demo / "sft").is_dir() or not (demo / "data" / "heldout.jsonl").is_file():
         raise SystemExit(f"{demo} is not a finished `tirl demo` directory (no sft/ or data/heldout.jsonl)")
     out.mkdir(parents=True, exist_ok=True)
+    with cpu_hog(args.hog):
+        _main(args, demo, out)
+
+
+def _main(args: argparse.Namespace, demo: Path, out: Path) -> None:
     if args.seeds:
         return _main_seeds(args, demo, out)
     seed = load_settings(overrides=args.overrides).demo.seed

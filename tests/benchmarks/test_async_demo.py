@@ -39,3 +39,22 @@ def test_a_finished_run_is_loaded_not_run_again(tmp_path):
     (tmp_path / "sync_seed0.json").write_text(json.dumps(done))
     # settings and demo are never read: a run would fail on them
     assert run_or_load(None, tmp_path / "no-demo", tmp_path, "sync_seed0") == done
+
+
+def test_the_cpu_hog_runs_beside_the_block_and_is_gone_after_it():
+    import os
+    import time
+
+    from async_demo import cpu_hog
+
+    def cpu_seconds(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    before = set(children.read_text().split())  # other tests' servers, if any
+    with cpu_hog(2):
+        hogs = [int(p) for p in set(children.read_text().split()) - before]
+        time.sleep(1.0)
+        assert len(hogs) == 2 and all(cpu_seconds(p) > 0.1 for p in hogs), "the hogs are not busy"
+    assert set(children.read_text().split()) <= before and not any(Path(f"/proc/{p}").exists() for p in hogs)
