@@ -107,6 +107,9 @@ def _transfer_dir() -> str:
     return os.environ.get("TIRL_WEIGHTS_DIR") or (shm if os.path.isdir(shm) else tempfile.gettempdir())
 
 
+RELOAD_LOGGERS = ("layerwise", "inplace")  # vLLM's in-place reload modules that warn on a partial sync
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): loads a trainer's weights in place."""
 
@@ -129,15 +132,18 @@ class WeightSyncExtension:
                     # parameter list names the tied tensor once, so the head would keep old weights.
                     yield "lm_head.weight", t
 
-        # A partial sync (LoRA: only the adapted layers) leaves the other layers as they are; vLLM's
-        # layerwise reload warns "Failed to load weights" for each of them: expected here, not news.
-        quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
+        # A partial sync (LoRA: only the adapted layers) leaves the other layers as they are; vLLM warns
+        # for each of them ("Failed to load weights", "Following weights were not loaded"): expected
+        # here, not news. A full sync that missed a tensor is caught by its log-probs, not these logs.
+        quiet = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in RELOAD_LOGGERS]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.ERROR)
         try:
             runner.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
         finally:
-            quiet.setLevel(level)
+            for q, level in zip(quiet, levels, strict=True):
+                q.setLevel(level)
         return count
 
     def tirl_load_flat(self, path: str, nbytes: int, plan: list[FlatEntry]) -> int:
