@@ -144,6 +144,7 @@ def test_micro_comparison_over_seeds(tmp_path):
     assert seeds == [0, 1]
     report = (out / "report.md").read_text()
     assert "Comparison over 2 seeds" in report and "figure4.png" in report and "figure9.png" in report
+    assert "The paper's claims, tested" in report  # 2 steps: no change to test, said so per claim
 
 
 def test_demo_help_lists_every_knob_with_its_default_from_the_config_model():

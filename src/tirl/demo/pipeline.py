@@ -472,7 +472,8 @@ def _cell(x: float | None) -> str:
 def _interval_cell(iv: dict | None, scale: float = 1.0) -> str:
     if iv is None:
         return "n/a"
-    return f"{scale * iv['mean']:.2f} [{scale * iv['low']:.2f}, {scale * iv['high']:.2f}]"
+    p = "" if iv.get("p") is None else f", p={iv['p']:.3f}"
+    return f"{scale * iv['mean']:.2f} [{scale * iv['low']:.2f}, {scale * iv['high']:.2f}]{p}"
 
 
 def _comparison_markdown(comparison: dict | None) -> list[str]:
@@ -500,6 +501,29 @@ def _comparison_markdown(comparison: dict | None) -> list[str]:
     sft = comparison["heldout_accuracy"].get("sft")
     if sft:
         lines += ["", f"SFT model (the start of every run): {sft['mean']:.2f}% held-out accuracy."]
+    return [*lines, "", *_claims_markdown(comparison, names)]
+
+
+def _claims_markdown(comparison: dict, names: list[str]) -> list[str]:
+    """The paper's claims, each with its paired test (only for GRPO-RoC against plain GRPO)."""
+    from tirl.demo.seed_stats import claims
+
+    if names != ["rl", "grpo"]:
+        return []
+    lines = [
+        "## The paper's claims, tested",
+        "",
+        f"Change: a run's mean over its last {comparison['last_steps']} steps minus its first "
+        f"{comparison['last_steps']}; difference: GRPO-RoC minus plain GRPO, paired by seed. Mean "
+        "[95% interval], two-sided t-test against zero.",
+        "",
+        "| claim | tested | mean [95% interval], p | verdict |",
+        "| --- | --- | --- | --- |",
+    ]
+    for row in claims(comparison):
+        lines.append(
+            f"| {row['claim']} | {row['tested']} | {_interval_cell(row['interval'])} | {row['verdict']} |"
+        )
     return [*lines, ""]
 
 
