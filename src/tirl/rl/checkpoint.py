@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -188,27 +189,54 @@ def checkpoint_model_dir(ckpt: Path) -> Path:
     return ckpt / "model"
 
 
+@dataclass(frozen=True)
+class LocalModel:
+    """What a local directory holds: a plain HF model, or a peft adapter (bare, or in a LoRA checkpoint,
+    whose merge goes to <checkpoint>/merged)."""
+
+    model: Path | None = None
+    adapter: Path | None = None
+    checkpoint: Path | None = None
+
+
+def locate_model(path: Path) -> LocalModel | None:
+    """The one reading of a local model path: a run means its newest checkpoint; a checkpoint its model/
+    (which wins) or adapter/; a peft adapter directory (adapter_config.json, no config.json) itself; a
+    model directory itself. None when it is none of them."""
+    from tirl.rl.lora import ADAPTER_DIR, is_adapter_dir, is_model_dir
+
+    if (path / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"no checkpoint under {path}/checkpoints")
+        path = ckpt
+    if is_model_dir(path / "model"):
+        return LocalModel(model=path / "model")
+    if is_adapter_dir(path / ADAPTER_DIR):
+        return LocalModel(adapter=path / ADAPTER_DIR, checkpoint=path)
+    if is_adapter_dir(path) and not is_model_dir(path):
+        return LocalModel(adapter=path)
+    return LocalModel(model=path) if is_model_dir(path) else None
+
+
 def resolve_model_path(path: str) -> str:
-    """A tirl run directory means its newest checkpoint's model; a checkpoint directory its model/;
-    a model directory or a Hugging Face id (org/name) is returned as given. A local path that does not
-    exist is a FileNotFoundError here, not a hub lookup that fails (offline) after retries."""
-    from tirl.rl.lora import ADAPTER_DIR, is_adapter_dir, merged_adapter_dir, merged_model_dir
+    """A local path (see `locate_model`) as a plain HF model directory, merging a LoRA adapter on first
+    use; a Hugging Face id (org/name) is returned as given. A local path that does not exist is a
+    FileNotFoundError here, not a hub lookup that fails (offline) after retries."""
+    from tirl.rl.lora import merged_adapter_dir, merged_model_dir
 
     p = Path(path).expanduser()
-    if (p / "checkpoints").is_dir():
-        return str(latest_model_dir(p))
-    if (p / "model" / "config.json").is_file():
-        return str(p / "model")
-    if is_adapter_dir(p / ADAPTER_DIR):  # a LoRA checkpoint
-        return str(merged_model_dir(p))
-    if is_adapter_dir(p) and not (p / "config.json").is_file():  # a peft adapter directory
-        return str(merged_adapter_dir(p))
     if p.is_dir():
-        if not (p / "config.json").is_file():
+        found = locate_model(p)
+        if found is None:
             raise FileNotFoundError(
                 f"model {path}: not a model directory (no config.json), run or checkpoint"
             )
-        return str(p)
+        if found.model is not None:
+            return str(found.model)
+        return str(
+            merged_model_dir(found.checkpoint) if found.checkpoint else merged_adapter_dir(found.adapter)
+        )
     parts = Path(path).parts
     if path.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
         raise FileNotFoundError(
@@ -223,27 +251,18 @@ def export_model(source: str | Path, out: str | Path) -> str:
     settings) from a run (its newest checkpoint), a checkpoint, a peft adapter directory (merged into
     the base it names) or a model directory (copied). An existing model directory at `out` is replaced;
     any other non-empty one is refused. Returns what was done, in one line."""
-    from tirl.rl.lora import ADAPTER_DIR, adapter_base, build_dir, is_adapter_dir, is_model_dir, merge_adapter
+    from tirl.rl.lora import adapter_base, build_dir, is_model_dir, merge_adapter
 
     src, out = Path(source).expanduser(), Path(out).expanduser()
     if not src.is_dir():
         raise FileNotFoundError(
             f"model {source}: no such directory; give a tirl run, checkpoint, peft adapter or model directory"
         )
-    ckpt = src
-    if (src / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(src)
-        if ckpt is None:
-            raise FileNotFoundError(f"model {source}: no checkpoint under {src / 'checkpoints'}")
-    if (ckpt / "model" / "config.json").is_file():
-        model, adapter = ckpt / "model", None
-    elif is_adapter_dir(ckpt / ADAPTER_DIR):
-        model, adapter = None, ckpt / ADAPTER_DIR
-    elif is_adapter_dir(ckpt) and not is_model_dir(ckpt):
-        model, adapter = None, ckpt
-    elif is_model_dir(ckpt):
-        model, adapter = ckpt, None
-    else:
+    try:
+        found = locate_model(src)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"model {source}: {e}") from None
+    if found is None:
         raise FileNotFoundError(
             f"model {source}: not a tirl run, checkpoint, peft adapter or model directory "
             "(no model/, adapter/, config.json or adapter_config.json)"
@@ -251,9 +270,10 @@ def export_model(source: str | Path, out: str | Path) -> str:
     if src.resolve() == out.resolve() or out.resolve() in src.resolve().parents:
         raise FileExistsError(f"--out {out}: it holds the model being exported; choose another directory")
     replaced = " (replacing the model that was there)" if is_model_dir(out) else ""
-    if adapter is not None:
-        merge_adapter(adapter, out, replace=True)
-        return f"wrote {out}{replaced}: the adapter {adapter} merged into its base {adapter_base(adapter)}"
+    if found.adapter is not None:
+        merge_adapter(found.adapter, out, replace=True)
+        return f"wrote {out}{replaced}: the adapter {found.adapter} merged into its base {adapter_base(found.adapter)}"
+    model = found.model
     build_dir(out, lambda tmp: shutil.copytree(model, tmp, dirs_exist_ok=True), replace=True)
     return f"wrote {out}{replaced}: a copy of {model}"
 
