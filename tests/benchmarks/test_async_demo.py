@@ -27,7 +27,7 @@ def test_compare_seeds_pairs_async_with_sync_by_seed(tmp_path):
     acc = summary["heldout_accuracy"]
     assert acc["sync"]["mean"] == 82.0 and acc["async"]["mean"] == 81.0
     # async - sync is -1 for every seed: a paired difference with no spread
-    assert acc["difference"] == {"mean": -1.0, "low": -1.0, "high": -1.0, "n": 3}
+    assert acc["difference"] == {"mean": -1.0, "low": -1.0, "high": -1.0, "n": 3, "p": 0.0}
     reward = summary["final"]["reward/mean"]
     assert round(reward["difference"]["mean"], 6) == -0.1  # last 5 steps, paired
     assert json.loads((tmp_path / "seeds.json").read_text())["seeds"] == 3
