@@ -115,3 +115,29 @@ def test_duplicate_names_and_a_bad_schema_override_are_rejected():
         AgentConfig(tool_schema=bad)
     with pytest.raises(ValidationError, match=r"agent\.tools is empty"):
         AgentConfig(tools=[])
+
+
+def test_repr_addresses_are_numbered_by_first_appearance_and_computed_hex_stays():
+    from tirl.agent.tools import stable_addresses
+
+    text = "<f at 0x7f3a12345678> <generator object <genexpr> at 0x55d03cfdf2a0> <f at 0x7f3a12345678> 0x10000000000"
+    assert stable_addresses(text) == (
+        "<f at 0x000000000001> <generator object <genexpr> at 0x000000000002> <f at 0x000000000001> 0x10000000000"
+    )
+
+
+async def test_the_python_tool_answers_the_same_in_two_fresh_sandboxes():
+    """Two runs with one seed must show the model the same tokens: a printed set of strings (ordered by
+    the interpreter's string hash) and an object's repr (its address) differ between processes unless
+    the sandbox fixes the hash and the tool numbers the addresses (run times are off, as in the demo)."""
+    from tirl.agent.tools import ToolContext
+    from tirl.sandbox import Sandbox
+
+    code = "print({'apple', 'pear', 'plum', 'fig', 'kiwi', 'lime'})\nprint(x for x in [])\nprint(hex(2**40))"
+    answers = []
+    for _ in range(2):  # a fresh pool each time: its own zygote, hash secret and address space
+        async with Sandbox(slots=1, preload=[]) as sb:
+            tool = PythonTool(ToolContext(sb, AgentConfig(show_exec_time=False)))
+            answers.append((await tool.call({"code": code})).text)
+    assert answers[0] == answers[1], answers
+    assert "at 0x000000000001>" in answers[0] and "0x10000000000" in answers[0]

@@ -42,6 +42,9 @@ CLEAN_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8",
     "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "OPENBLAS_NUM_THREADS": "1",
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+    # One string hash for every run: a printed set of strings comes out in one order, so a seed
+    # reproduces its trajectories (hash flooding is no threat to code that already runs here).
+    "PYTHONHASHSEED": "0",
 }  # fmt: skip
 
 
