@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -56,11 +57,21 @@ def _guard_rails(rows: list[dict]) -> dict:
     }
 
 
+# A busy loop that dies with the benchmark even when that is killed -9 (PR_SET_PDEATHSIG = 1, SIGKILL),
+# and at once if it was already gone before the hog could ask.
+HOG = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, 9)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit()\n"
+    "while True: pass\n"
+)
+
+
 @contextmanager
 def cpu_hog(processes: int) -> Iterator[None]:
     """A CPU-heavy job beside the runs at their own priority: `processes` single-core busy loops, each
     one process's worth of a compile or a test suite, killed when the block ends."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(os.getpid())]) for _ in range(processes)]
     try:
         yield
     finally:

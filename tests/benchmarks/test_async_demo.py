@@ -58,3 +58,29 @@ def test_the_cpu_hog_runs_beside_the_block_and_is_gone_after_it():
         time.sleep(1.0)
         assert len(hogs) == 2 and all(cpu_seconds(p) > 0.1 for p in hogs), "the hogs are not busy"
     assert set(children.read_text().split()) <= before and not any(Path(f"/proc/{p}").exists() for p in hogs)
+
+
+def test_the_cpu_hog_dies_with_a_benchmark_killed_9(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    script = f"import sys; sys.path.insert(0, {str(bench)!r})\nfrom async_demo import cpu_hog\nimport time\n"
+    script += "with cpu_hog(1):\n    time.sleep(60)\n"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+    deadline = time.monotonic() + 30
+    while not (children.exists() and children.read_text().split()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (hog,) = [int(p) for p in children.read_text().split()]
+    time.sleep(0.5)  # the hog has asked for its death signal
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{hog}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = Path(f"/proc/{hog}/stat").exists() and Path(f"/proc/{hog}/stat").read_text().split()[2] != "Z"
+    assert not alive, "the hog outlived its benchmark"
