@@ -41,17 +41,24 @@ class Interval:
         return out if self.p is None else out | {"p": round(self.p, 4)}
 
 
+def _mean_sd(values: list[float | None]) -> tuple[int, float, float]:
+    """(n, mean, sample standard deviation) of the values that exist (sd 0 below two)."""
+    xs = [float(v) for v in values if v is not None]
+    n = len(xs)
+    mean = sum(xs) / n if n else 0.0
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return n, mean, sd
+
+
 def interval(values: list[float], level: float = 0.95) -> Interval | None:
     """Mean and Student-t interval of `values` (None when empty; a single value has no width)."""
     from scipy.stats import t
 
-    xs = [float(v) for v in values if v is not None]
-    if not xs:
+    n, mean, sd = _mean_sd(values)
+    if n == 0:
         return None
-    n, mean = len(xs), sum(xs) / len(xs)
     if n == 1:
         return Interval(mean, mean, mean, 1)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
     half = float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
     return Interval(mean, mean - half, mean + half, n)
 
@@ -61,15 +68,13 @@ def against_zero(values: list[float | None], level: float = 0.95) -> Interval | 
     for one value: no test). No spread (rounding aside) gives p 0, or 1 for a mean of zero."""
     from scipy.stats import t
 
-    xs = [float(v) for v in values if v is not None]
-    iv = interval(xs, level)
+    iv = interval(values, level)
     if iv is None or iv.n < 2:
         return iv
-    sd = math.sqrt(sum((x - iv.mean) ** 2 for x in xs) / (iv.n - 1))
-    if sd <= 1e-12 * max(1.0, abs(iv.mean)):
-        return replace(iv, p=1.0 if abs(iv.mean) <= 1e-12 else 0.0)
-    stat = iv.mean / (sd / math.sqrt(iv.n))
-    return replace(iv, p=float(2 * t.sf(abs(stat), iv.n - 1)))
+    n, mean, sd = _mean_sd(values)
+    if sd <= 1e-12 * max(1.0, abs(mean)):
+        return replace(iv, p=1.0 if abs(mean) <= 1e-12 else 0.0)
+    return replace(iv, p=float(2 * t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)))
 
 
 def per_step(seeds: list[list[dict]], key: str) -> dict[int, Interval]:
@@ -154,7 +159,7 @@ def verdict(iv: dict | None, expects: str, alpha: float = 0.05) -> str:
     significant against it, or not distinguishable from zero (which supports only "no change" and "not
     lower" claims, and only as an absence of evidence against them)."""
     if iv is None or iv.get("p") is None:
-        return "not testable (fewer than 2 seeds)"
+        return "not testable (fewer than 2 seeds with a value)"
     p, below = iv["p"], iv["mean"] < 0
     if p >= alpha:
         return f"{UNTESTED[expects]} (p={p:.3f})"
