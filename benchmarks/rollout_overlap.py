@@ -118,6 +118,9 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    from tirl.lifetime import children_die_with_me
+
+    children_die_with_me()  # its engines, sandboxes and workers die with it, even on kill -9
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trajectories", type=int, default=64)
     p.add_argument("--calls", type=int, default=3, help="tool calls per trajectory")

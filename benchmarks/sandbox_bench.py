@@ -12,6 +12,9 @@ import argparse
 from tirl.sandbox.bench import main
 
 if __name__ == "__main__":
+    from tirl.lifetime import children_die_with_me
+
+    children_die_with_me()  # its engines, sandboxes and workers die with it, even on kill -9
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=300, help="calls per workload and concurrency level")
     p.add_argument("--concurrency", default="1,4,32", help="comma-separated concurrency levels")

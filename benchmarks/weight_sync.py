@@ -226,4 +226,7 @@ def _report(rows: list[tuple[str, float]], n: int, repeats: int) -> None:
 
 
 if __name__ == "__main__":
+    from tirl.lifetime import children_die_with_me
+
+    children_die_with_me()  # its engines, sandboxes and workers die with it, even on kill -9
     main()
