@@ -47,17 +47,17 @@ if phase == "traces":
     asyncio.run(p._make_traces(s, sft_problems, out))
 elif phase == "drills":
     s.demo = s.demo.model_copy(update={"drill_steps": steps})
-    p._drill(s, p._create_model(s.demo, out), out, False)
+    p._drill(s, p._create_model(s.demo, out), out, False, False)
 elif phase == "sft":
     s.demo = s.demo.model_copy(update={"sft_problems": steps * int(s.sft.get("batch_size", 16))})
     problems, _, _ = p._make_problems(s.demo, out)
-    traces = asyncio.run(p._make_traces(s, problems, out))
+    asyncio.run(p._make_traces(s, problems, out))
     start = time.perf_counter()
     start_model = Path(model) if model else p._create_model(s.demo, out)
-    p._sft(s.sft | {"epochs": 1}, s, start_model, out / "data" / "sft_traces.jsonl", out, False)
+    p._sft(s.sft | {"epochs": 1}, s, start_model, out / "data" / "sft_traces.jsonl", out, False, False)
 elif phase == "rl":
     s.demo = s.demo.model_copy(update={"rl_steps": steps})
-    p._train(s, Path(model), rl_data, out, "rl", None, False, s.demo.seed)
+    p._train(s, Path(model), rl_data, out, "rl", None, False, s.demo.seed, False)
 elif phase == "eval":
     asyncio.run(p._evaluate(s, Path(model), heldout, out / "eval", False))
 else:

@@ -531,13 +531,18 @@ class _DemoCommand(typer.core.TyperCommand):
 def demo(
     ctx: typer.Context,
     out: str = typer.Option(
-        "runs/demo", "--out", help="Output directory (replaced if a previous demo wrote it)."
+        "runs/demo", "--out", help="Output directory (replaced if a previous demo wrote it, unless --resume)."
     ),
     compare: str | None = typer.Option(
         None, "--compare", help="Also train a baseline with the same budget: 'grpo' (RoC off)."
     ),
     seeds: int = typer.Option(
         1, "--seeds", help="RL runs per algorithm (from one SFT model); mean and 95% interval."
+    ),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue an interrupted demo in --out (same settings): skip its finished phases.",
     ),
     progress: bool = typer.Option(True, "--progress/--quiet"),
     verbose: bool = VERBOSE,
@@ -552,13 +557,15 @@ def demo(
 
     quiet_libraries(verbose)
     try:
-        run_demo(out, compare=compare, overrides=ctx.args, progress=progress, seeds=seeds)
+        run_demo(out, compare=compare, overrides=ctx.args, progress=progress, seeds=seeds, resume=resume)
     except (ConfigError, DemoError) as e:
         _fail(e)
     except KeyboardInterrupt:
-        typer.echo(
-            f"interrupted; partial outputs are in {out}; `tirl demo` starts over when run again", err=True
-        )
+        import shlex
+
+        options = ["--out", out, *(["--compare", compare] if compare else []), "--seeds", str(seeds)]
+        again = shlex.join(["tirl", "demo", *options, *ctx.args, "--resume"])
+        typer.echo(f"interrupted; partial outputs are in {out}; continue with: {again}", err=True)
         raise typer.Exit(130) from None
 
 

@@ -57,6 +57,25 @@ def test_output_directory_is_replaced_only_when_the_demo_wrote_it(tmp_path):
     assert prepare_out(out) == out and not (out / "old.txt").exists() and (out / MARKER).exists()
 
 
+def test_resume_continues_only_a_demo_written_with_the_same_settings(tmp_path):
+    from tirl.demo.pipeline import settings_record
+
+    record = settings_record(load_settings(overrides=["demo.rl_steps=3"]), "grpo", 5)
+    with pytest.raises(DemoError, match="holds no demo to continue"):
+        prepare_out(tmp_path / "nothing", record, resume=True)
+    out = prepare_out(tmp_path / "demo", record)
+    (out / "phases.json").write_text("{}")
+    assert prepare_out(out, record, resume=True) == out and (out / "phases.json").exists()
+    for other in (
+        settings_record(load_settings(overrides=["demo.rl_steps=4"]), "grpo", 5),
+        settings_record(load_settings(overrides=["demo.rl_steps=3"]), "grpo", 4),
+        settings_record(load_settings(overrides=["demo.rl_steps=3"]), None, 5),
+    ):
+        with pytest.raises(DemoError, match="written with other settings"):
+            prepare_out(out, other, resume=True)
+    assert (out / "phases.json").exists()  # refused: nothing removed
+
+
 def test_the_grpo_baseline_differs_from_the_rl_run_only_in_roc(tmp_path):
     s = load_settings()
     rl = train_config(s, tmp_path / "sft", "rl.jsonl", tmp_path, "rl")
@@ -119,6 +138,48 @@ def test_micro_demo_end_to_end(tmp_path):
     generated = sum(sum(json.loads(t)["loss_mask"]) for t in trajectories)
     for res in analysis["results"].values():
         assert sum(res["generated"].values()) == generated
+
+
+def test_an_interrupted_demo_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Ctrl-C during the RL model's evaluation; --resume then skips every finished phase (they would
+    fail if run again), evaluates, and reports; a finished RL run resumed from its last checkpoint
+    (a kill after its last step, before the phase was recorded) trains no further step."""
+    from tirl.demo import pipeline
+
+    out = tmp_path / "demo"
+    evaluate_into = pipeline._evaluate_into
+
+    def ctrl_c_at_rl(settings, model, problems, out_dir, progress):
+        if out_dir.name == "eval_rl":
+            raise KeyboardInterrupt
+        return evaluate_into(settings, model, problems, out_dir, progress)
+
+    monkeypatch.setattr(pipeline, "_evaluate_into", ctrl_c_at_rl)
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(out, overrides=MICRO, progress=False)
+    finished = json.loads((out / "phases.json").read_text())
+    assert list(finished) == ["traces", "drills", "sft", "eval_sft", "rl"]
+    assert not (out / "summary.json").exists()
+
+    monkeypatch.setattr(pipeline, "_evaluate_into", evaluate_into)
+    for done in ("_write_traces", "_drill", "_sft", "_train"):
+        monkeypatch.setattr(pipeline, done, lambda *a, _name=done: pytest.fail(f"{_name} ran again"))
+    with pytest.raises(DemoError, match="written with other settings"):
+        run_demo(out, overrides=[*MICRO, "demo.rl_steps=2"], progress=False, resume=True)
+    summary = run_demo(out, overrides=MICRO, progress=False, resume=True)
+    saved = json.loads((out / "eval_rl" / "metrics.json").read_text())
+    assert summary["rl_accuracy"] == pytest.approx(100 * saved["benchmarks"]["heldout"]["pass1"], abs=0.01)
+    assert summary["wall_seconds"]["sft"] == finished["sft"]["seconds"]
+    assert "GRPO-RoC" in (out / "report.md").read_text()
+
+    monkeypatch.undo()  # a kill between the RL run's last checkpoint and its phase record
+    finished = json.loads((out / "phases.json").read_text())
+    (out / "phases.json").write_text(json.dumps({k: v for k, v in finished.items() if k != "rl"}))
+    metrics = (out / "rl" / "metrics.jsonl").read_text()
+    assert (
+        run_demo(out, overrides=MICRO, progress=False, resume=True)["rl_accuracy"] == summary["rl_accuracy"]
+    )
+    assert (out / "rl" / "metrics.jsonl").read_text() == metrics  # continued at its end: no step added
 
 
 def test_micro_comparison_over_seeds(tmp_path):

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -120,14 +123,21 @@ def load_settings(config_dir: str | Path = CONFIG_DIR, overrides: list[str] | No
     return settings
 
 
+PHASES_FILE = "phases.json"  # each finished phase's result and wall time: what --resume skips
+SETTINGS_FILE = "settings.json"  # the settings the directory was written with: --resume must match them
+
+
 @dataclass
 class Phases:
-    """Runs the demo's phases in order with a header, a wall time each, and a clear failure message."""
+    """Runs the demo's phases in order with a header, a wall time each, and a clear failure message.
+    `run` records a finished phase's result (paths) in OUT/phases.json; a resumed demo takes it from
+    there instead of running the phase again."""
 
     console: object
     out: Path
     total: int
     seconds: dict[str, float] = field(default_factory=dict)
+    finished: dict[str, dict] = field(default_factory=dict)  # name -> {"result", "seconds"}
 
     @contextmanager
     def __call__(self, name: str, what: str) -> Iterator[None]:
@@ -139,15 +149,44 @@ class Phases:
         except Exception as e:
             raise DemoError(
                 f"demo phase {name!r} ({what}) failed: {type(e).__name__}: {e}\n"
-                f"partial outputs are in {self.out}; fix the cause and rerun `tirl demo` (it starts over)"
+                f"partial outputs are in {self.out}; fix the cause and continue with the same command and "
+                "--resume (or start over without it)"
             ) from e
         self.seconds[name] = round(time.perf_counter() - start, 1)
         self.console.print(f"[green]done[/] {what} in {self.seconds[name]:.1f} s")
 
+    def run(self, name: str, what: str, work: Callable[[], Result]) -> Result:
+        if name in self.finished:
+            self.console.rule(f"[bold]demo {len(self.seconds) + 1}/{self.total}: {what}")
+            self.console.print("[green]done[/] before the demo was interrupted")
+            self.seconds[name] = self.finished[name]["seconds"]
+            return _paths(self.finished[name]["result"])
+        with self(name, what):
+            result = work()
+        self.finished[name] = {"result": _strings(result), "seconds": self.seconds[name]}
+        tmp = self.out / f"{PHASES_FILE}.tmp"  # whole or absent: a kill while writing loses no phase
+        tmp.write_text(json.dumps(self.finished, indent=2) + "\n")
+        os.replace(tmp, self.out / PHASES_FILE)
+        return result
 
-def prepare_out(out: str | Path) -> Path:
-    """An empty output directory; a previous demo's directory is wiped, anything else is refused."""
+
+Result = TypeVar("Result", Path, tuple[Path, Path])
+
+
+def _strings(result: Path | tuple[Path, ...]) -> str | list[str]:
+    return str(result) if isinstance(result, Path) else [str(p) for p in result]
+
+
+def _paths(saved: str | list[str]) -> Path | tuple[Path, ...]:
+    return Path(saved) if isinstance(saved, str) else tuple(Path(p) for p in saved)
+
+
+def prepare_out(out: str | Path, settings: dict | None = None, resume: bool = False) -> Path:
+    """The output directory: replaced if a previous demo wrote it, refused if not; with `resume`, kept
+    if it was written with the same `settings` (its finished phases are then skipped)."""
     out = Path(out)
+    if resume:
+        return _resumable(out, settings)
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).exists():
             raise DemoError(
@@ -156,7 +195,33 @@ def prepare_out(out: str | Path) -> Path:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("written by `tirl demo`; the next run replaces this directory\n")
+    if settings is not None:
+        (out / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _resumable(out: Path, settings: dict | None) -> Path:
+    if not (out / MARKER).exists():
+        raise DemoError(f"--resume: {out} holds no demo to continue; run without --resume")
+    saved = out / SETTINGS_FILE
+    if not saved.exists() or json.loads(saved.read_text()) != settings:
+        raise DemoError(
+            f"--resume: {out} was written with other settings: give the same overrides, --compare and "
+            "--seeds, or start over without --resume"
+        )
+    return out
+
+
+def _finished_phases(out: Path) -> dict[str, dict]:
+    path = out / PHASES_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def settings_record(settings: DemoSettings, compare: str | None, seeds: int) -> dict:
+    """What a demo directory was written with (OUT/settings.json), compared by --resume."""
+    record = {name: getattr(settings, name) for name in SECTIONS}
+    record |= {"demo": settings.demo.model_dump(mode="json"), "agent": settings.agent.model_dump(mode="json")}
+    return json.loads(json.dumps(record | {"compare": compare, "seeds": seeds}))
 
 
 def run_demo(
@@ -166,37 +231,57 @@ def run_demo(
     config_dir: str | Path = CONFIG_DIR,
     progress: bool = True,
     seeds: int = 1,
+    resume: bool = False,
 ) -> dict:
     """The whole experiment; returns the summary (also written to OUT/summary.json).
 
-    `seeds` RL runs per algorithm (seeds demo.seed, demo.seed + 1, ...), all from the one SFT model."""
+    `seeds` RL runs per algorithm (seeds demo.seed, demo.seed + 1, ...), all from the one SFT model.
+    `resume` continues an interrupted demo in `out` (same settings): finished phases are skipped, an
+    interrupted SFT or RL run continues from its last checkpoint."""
     from rich.console import Console
+
+    from tirl.eval.report import EvalReport
 
     if compare is not None and compare not in COMPARE:
         raise ConfigError(f"--compare {compare!r}: the only baseline is {', '.join(COMPARE)}")
     if seeds < 1:
         raise ConfigError(f"--seeds {seeds}: give at least 1")
     settings = load_settings(config_dir, overrides)
-    out = prepare_out(out)
+    out = prepare_out(out, settings_record(settings, compare, seeds), resume)
     console = Console(stderr=True, quiet=not progress)
     runs: dict[str, str | None] = {"rl": None} | ({compare: COMPARE[compare]} if compare else {})
     units = [(k, name) for k in range(seeds) for name in runs]  # one RL run + its evaluation each
-    phase = Phases(console, out, total=7 + 2 * len(units))
+    phase = Phases(console, out, total=7 + 2 * len(units), finished=_finished_phases(out))
     started = time.perf_counter()
+    # The model and the problems are deterministic and take a second: made again on resume.
     with phase("model", f"create the {settings.demo.preset!r} tiny model"):
         init_model = _create_model(settings.demo, out)
     with phase("data", "generate synthetic problems (train / held-out)"):
         sft_problems, rl_data, heldout = _make_problems(settings.demo, out)
         _check_training(settings, init_model, rl_data, out)
-    with phase("traces", "write SFT traces (real tool outputs from the sandbox)"):
-        traces = asyncio.run(_make_traces(settings, sft_problems, out))
-    with phase("drills", f"SFT on copy drills: {settings.demo.drill_steps} steps (learn to copy numbers)"):
-        drilled = _drill(settings, init_model, out, progress)
+    traces = phase.run(
+        "traces",
+        "write SFT traces (real tool outputs from the sandbox)",
+        partial(_write_traces, settings, sft_problems, out),
+    )
+    drilled = phase.run(
+        "drills",
+        f"SFT on copy drills: {settings.demo.drill_steps} steps (learn to copy numbers)",
+        partial(_drill, settings, init_model, out, progress, resume),
+    )
     drills = f" + {settings.demo.copy_drills} copy drills" if settings.demo.copy_drills else ""
-    with phase("sft", f"SFT on {len(traces)} examples (tool-using traces with imperfections{drills})"):
-        sft_model = _sft(settings.sft, settings, drilled, out / "data" / "sft_traces.jsonl", out, progress)
-    with phase("eval_sft", "evaluate the SFT model on held-out problems"):
-        evals = {"sft": asyncio.run(_evaluate(settings, sft_model, heldout, out / "eval_sft", progress))}
+    sft_model = phase.run(
+        "sft",
+        f"SFT on {_count_lines(traces)} examples (tool-using traces with imperfections{drills})",
+        partial(_sft, settings.sft, settings, drilled, traces, out, progress, resume),
+    )
+    eval_dirs = {
+        "sft": phase.run(
+            "eval_sft",
+            "evaluate the SFT model on held-out problems",
+            partial(_evaluate_into, settings, sft_model, heldout, out / "eval_sft", progress),
+        )
+    }
     train_dirs, groups = {}, {name: [] for name in runs}
     rl_started = time.perf_counter()
     for done, (k, name) in enumerate(units):
@@ -205,13 +290,18 @@ def run_demo(
         left = (time.perf_counter() - rl_started) / done * (len(units) - done) if done else None
         eta = "" if left is None else f", ~{left / 60:.0f} min left"
         what = f"{algo}: {settings.demo.rl_steps} steps from the SFT model, seed {seed} [{done + 1}/{len(units)}{eta}]"
-        with phase(tag, what):
-            train_dirs[tag], model = _train(settings, sft_model, rl_data, out, tag, roc, progress, seed)
-        with phase(f"eval_{tag}", f"evaluate the {algo} model (seed {seed}) on held-out problems"):
-            evals[tag] = asyncio.run(_evaluate(settings, model, heldout, out / f"eval_{tag}", progress))
+        train_dirs[tag], model = phase.run(
+            tag, what, partial(_train, settings, sft_model, rl_data, out, tag, roc, progress, seed, resume)
+        )
+        eval_dirs[tag] = phase.run(
+            f"eval_{tag}",
+            f"evaluate the {algo} model (seed {seed}) on held-out problems",
+            partial(_evaluate_into, settings, model, heldout, out / f"eval_{tag}", progress),
+        )
         groups[name].append(tag)
     with phase("report", "write report.md, plots and summary.json"):
         phase.seconds["total"] = round(time.perf_counter() - started, 1)
+        evals = {tag: EvalReport.read(d) for tag, d in eval_dirs.items()}
         summary = _report(settings, out, evals, train_dirs, groups, phase.seconds)
     console.print(
         f"[bold]held-out accuracy: SFT {summary['sft_accuracy']:.1f}% -> GRPO-RoC {summary['rl_accuracy']:.1f}%"
@@ -256,7 +346,11 @@ def _sandbox_config(settings: DemoSettings):
     return SandboxConfig.model_validate(settings.train.get("sandbox", {}))
 
 
-async def _make_traces(settings: DemoSettings, problems, out: Path) -> list[dict]:
+def _write_traces(settings: DemoSettings, problems, out: Path) -> Path:
+    return asyncio.run(_make_traces(settings, problems, out))
+
+
+async def _make_traces(settings: DemoSettings, problems, out: Path) -> Path:
     from tirl.demo.sft_traces import copy_drills, make_traces, write_traces
     from tirl.sandbox import open_executor
 
@@ -265,11 +359,15 @@ async def _make_traces(settings: DemoSettings, problems, out: Path) -> list[dict
             problems, executor, settings.agent, settings.demo.traces, settings.demo.seed
         )
     drills = copy_drills(settings.demo.copy_drills, settings.demo.seed)
-    write_traces(traces + drills, out / "data" / "sft_traces.jsonl")
-    return traces + drills
+    return write_traces(traces + drills, out / "data" / "sft_traces.jsonl")
 
 
-def _drill(settings: DemoSettings, init_model: Path, out: Path, progress: bool) -> Path:
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for _ in f)
+
+
+def _drill(settings: DemoSettings, init_model: Path, out: Path, progress: bool, resume: bool) -> Path:
     """Stage 0a: copy drills alone (skipped when demo.drill_steps is 0)."""
     from tirl.demo.sft_traces import copy_drills, write_traces
 
@@ -278,7 +376,7 @@ def _drill(settings: DemoSettings, init_model: Path, out: Path, progress: bool) 
         return init_model
     n = steps * int(settings.drills.get("batch_size", 32))
     path = write_traces(copy_drills(n, settings.demo.seed + 1), out / "data" / "copy_drills.jsonl")
-    return _sft(settings.drills | {"epochs": 1}, settings, init_model, path, out, progress)
+    return _sft(settings.drills | {"epochs": 1}, settings, init_model, path, out, progress, resume)
 
 
 def _sft_raw(settings: DemoSettings, raw: dict, init_model: Path, data: Path, out: Path) -> dict:
@@ -295,12 +393,21 @@ def _sft_raw(settings: DemoSettings, raw: dict, init_model: Path, data: Path, ou
     return raw | fields
 
 
-def _sft(raw: dict, settings: DemoSettings, init_model: Path, data: Path, out: Path, progress: bool) -> Path:
+def _sft(
+    raw: dict, settings: DemoSettings, init_model: Path, data: Path, out: Path, progress: bool, resume: bool
+) -> Path:
     from tirl.rl.checkpoint import latest_model_dir
     from tirl.rl.sft import run_sft
 
     cfg = SFTConfig.model_validate(_sft_raw(settings, raw, init_model, data, out))
-    return latest_model_dir(run_sft(cfg, progress=progress))
+    return latest_model_dir(run_sft(cfg, resume=resume and _checkpointed(cfg.run_dir), progress=progress))
+
+
+def _checkpointed(run_dir: Path) -> bool:
+    """An interrupted run that can continue from a checkpoint (else it starts over in its directory)."""
+    from tirl.rl.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(run_dir) is not None
 
 
 def _train_raw(
@@ -349,11 +456,13 @@ def _train(
     roc: str | None,
     progress: bool,
     seed: int,
-):
+    resume: bool,
+) -> tuple[Path, Path]:
     from tirl.rl.checkpoint import latest_model_dir
     from tirl.rl.trainer import run_training
 
-    run_dir = run_training(train_config(settings, model, data, out, name, roc, seed), progress=progress)
+    cfg = train_config(settings, model, data, out, name, roc, seed)
+    run_dir = run_training(cfg, resume=resume and _checkpointed(cfg.run_dir), progress=progress)
     return run_dir, latest_model_dir(run_dir)
 
 
@@ -374,6 +483,11 @@ async def _evaluate(settings: DemoSettings, model: Path, problems, out_dir: Path
         report = await evaluate(rt, {"heldout": problems}, cfg, progress=progress)
     report.write(out_dir)
     return report
+
+
+def _evaluate_into(settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool) -> Path:
+    asyncio.run(_evaluate(settings, model, problems, out_dir, progress))
+    return out_dir
 
 
 # ---- report ----

@@ -107,6 +107,20 @@ class EvalReport:
                         f.write(json.dumps(record, ensure_ascii=False) + "\n")
         return out
 
+    @classmethod
+    def read(cls, out_dir: str | Path) -> EvalReport:
+        """The report `write` left in out_dir: metrics, per-problem results and every trajectory (a demo
+        resumed after its evaluation reports from these instead of evaluating again)."""
+        out = Path(out_dir)
+        saved = json.loads((out / "metrics.json").read_text())
+        records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines() if line]
+        benchmarks = {}
+        for name, raw in saved["benchmarks"].items():
+            metrics = BenchmarkMetrics(**raw | {"pass_at": {int(k): v for k, v in raw["pass_at"].items()}})
+            problems, groups = _problem_groups([r for r in records if r["benchmark"] == name])
+            benchmarks[name] = BenchmarkResult(metrics, problems, groups)
+        return cls(benchmarks, saved["config"], saved["reward_stats"], saved["seconds"])
+
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}"
@@ -115,3 +129,23 @@ def _pct(x: float | None) -> str:
 def _table(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _problem_groups(records: list[dict]) -> tuple[list[ProblemResult], list[list[Trajectory]]]:
+    """One benchmark's trajectory records, in the order `write` gave them, back into problems."""
+    problems: list[ProblemResult] = []
+    groups: list[list[Trajectory]] = []
+    for record in records:
+        traj = Trajectory.from_dict(record)
+        if not problems or problems[-1].problem_id != traj.problem_id:
+            problems.append(
+                ProblemResult(traj.problem_id, record["reference"], [], [], problem=record["problem"])
+            )
+            groups.append([])
+        result = problems[-1]
+        if record["majority"]:
+            result.majority = len(result.answers)
+        result.rewards.append(traj.reward)
+        result.answers.append(record["answer"])
+        groups[-1].append(traj)
+    return problems, groups
