@@ -57,7 +57,7 @@ def test_majority_vote():
     assert majority_vote([-1, -1]) is None
 
 
-def _traj(pid, j, n_tokens, generated, calls, finish="answered"):
+def _traj(pid, j, n_tokens, generated, calls, finish="answered", reward=0.0):
     return Trajectory(
         problem_id=pid,
         prompt_ids=[1, 2],
@@ -66,13 +66,17 @@ def _traj(pid, j, n_tokens, generated, calls, finish="answered"):
         turns=len(calls) + 1,
         tool_calls=[ToolCallRecord(turn=i, status=s) for i, s in enumerate(calls)],
         finish_reason=finish,
+        reward=reward,
         sample_index=j,
     )
 
 
 def _bench():
     trajs = [
-        [_traj("p1", 0, 10, 8, ["ok"]), _traj("p1", 1, 20, 10, ["ok", "runtime_error"])],
+        [
+            _traj("p1", 0, 10, 8, ["ok"], reward=1.0),
+            _traj("p1", 1, 20, 10, ["ok", "runtime_error"], reward=1.0),
+        ],
         [_traj("p2", 0, 30, 30, []), _traj("p2", 1, 40, 20, ["timeout"], finish="length")],
     ]
     results = [
@@ -111,6 +115,7 @@ def test_report_files(tmp_path):
         ("p2", 1, None),
     ]
     assert lines[0]["majority"] and not lines[1]["majority"]
+    assert EvalReport.read(out) == report  # what a resumed demo reports from
 
 
 def test_eval_config_drives_agent_config():
