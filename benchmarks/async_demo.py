@@ -7,6 +7,7 @@ a finished `tirl demo` directory (same SFT model, data, seed, step budget and ev
         [--staleness-mode exact] [--only async] [--out runs/async_demo] [demo.seed=1 ...]
     .venv/bin/python benchmarks/async_demo.py --demo runs/demo --seeds 5    # seeds 0-4, both sides
     .venv/bin/python benchmarks/async_demo.py --demo runs/demo --seeds 5 --hog 2  # beside a CPU-heavy job
+    .venv/bin/python benchmarks/async_demo.py --out OUT --curves sync=RUN_DIR exact=RUN_DIR  # OUT/curves.png
 
 With `--seeds N` both sides run for seeds 0..N-1 (a run whose OUT/<run>.json exists is not run again, so
 an interrupted comparison continues; `--first-seed` splits the seeds between calls run at once), then
@@ -136,6 +137,51 @@ def compare_seeds(results: dict[str, list[dict]], out: Path) -> dict:
     return summary
 
 
+# The curves figure: how a run learns, and the off-policy signals that moved when async collapsed.
+CURVES = (
+    ("reward/mean", "Reward (training rollouts)", 1.0),
+    ("response/length_mean", "Response length (tokens)", 1.0),
+    ("train/engine_logprob_gap", "Engine vs trainer log-prob gap (nats/token)", 1.0),
+    ("finish/length", "Rollouts ending at the length limit (%)", 100.0),
+)
+
+
+def plot_runs(runs: dict[str, Path], path: Path) -> Path:
+    """Each run's CURVES, step by step and unsmoothed (an exact-mode run repeats them exactly), as one
+    2 x 2 figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tirl.rl.metrics import read_metrics
+
+    rows = {name: read_metrics(run_dir) for name, run_dir in runs.items()}
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6.5))
+    for ax, (key, title, scale) in zip(axes.flat, CURVES, strict=True):
+        for name, metrics in rows.items():
+            points = [(r["step"], scale * r[key]) for r in metrics if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", linewidth=1.2, label=name)
+        ax.set(title=title, xlabel="RL step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _named_runs(items: list[str]) -> dict[str, Path]:
+    runs = {}
+    for item in items:
+        name, eq, run_dir = item.partition("=")
+        if not eq or not (Path(run_dir) / "metrics.jsonl").is_file():
+            raise SystemExit(f"--curves {item!r}: give NAME=RUN_DIR, a run directory with metrics.jsonl")
+        runs[name] = Path(run_dir)
+    return runs
+
+
 def _print_seeds(summary: dict) -> None:
     acc = summary["heldout_accuracy"]
     for side in ("sync", "async", "difference"):
@@ -191,7 +237,7 @@ def _main_seeds(args: argparse.Namespace, demo: Path, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--demo", required=True, help="a finished `tirl demo` output directory")
+    ap.add_argument("--demo", help="a finished `tirl demo` output directory (required unless --curves)")
     ap.add_argument("--out", default="runs/async_demo")
     ap.add_argument("--k", type=int, default=1, help="algorithm.max_staleness of the async run")
     ap.add_argument("--only", choices=["sync", "async"], help="run one side only")
@@ -208,8 +254,17 @@ def main() -> None:
     )
     ap.add_argument("--hog", type=int, default=0, help="busy processes beside the runs (a CPU-heavy job)")
     ap.add_argument("--name", help="the async run's name (default async_k<k>[_exact][_tis<cap>]_seed<seed>)")
+    ap.add_argument(
+        "--curves", nargs="+", metavar="NAME=RUN_DIR", help="only plot these finished runs to OUT/curves.png"
+    )
     ap.add_argument("overrides", nargs="*", help="demo settings, e.g. demo.rl_steps=10 demo.seed=1")
     args = ap.parse_args()
+    if args.curves:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        print(plot_runs(_named_runs(args.curves), Path(args.out) / "curves.png"))
+        return
+    if not args.demo:
+        raise SystemExit("--demo is required (a finished `tirl demo` output directory)")
     demo, out = Path(args.demo), Path(args.out)
     if not (demo / "sft").is_dir() or not (demo / "data" / "heldout.jsonl").is_file():
         raise SystemExit(f"{demo} is not a finished `tirl demo` directory (no sft/ or data/heldout.jsonl)")

@@ -41,6 +41,22 @@ def test_a_finished_run_is_loaded_not_run_again(tmp_path):
     assert run_or_load(None, tmp_path / "no-demo", tmp_path, "sync_seed0") == done
 
 
+def test_curves_plot_named_finished_runs_and_refuse_a_directory_without_metrics(tmp_path):
+    import matplotlib.image
+    import pytest
+
+    from async_demo import _named_runs, plot_runs
+
+    runs = {name: Path(_finished_run(tmp_path, name, 0.3, 0.0)["run_dir"]) for name in ("sync", "exact")}
+    assert _named_runs([f"{n}={d}" for n, d in runs.items()]) == runs
+    png = plot_runs(runs, tmp_path / "curves.png")
+    assert matplotlib.image.imread(png).shape[:2] == (650, 1100)  # the 2 x 2 figure at 100 dpi
+    with pytest.raises(SystemExit, match="NAME=RUN_DIR"):
+        _named_runs([f"exact={tmp_path}"])  # no metrics.jsonl there
+    with pytest.raises(SystemExit, match="NAME=RUN_DIR"):
+        _named_runs([str(runs["sync"])])
+
+
 def test_the_cpu_hog_runs_beside_the_block_and_is_gone_after_it():
     import os
     import time
