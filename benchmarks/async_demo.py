@@ -175,7 +175,7 @@ def plot_runs(runs: dict[str, Path], path: Path) -> Path:
 def _named_runs(items: list[str]) -> dict[str, Path]:
     runs = {}
     for item in items:
-        name, eq, run_dir = item.partition("=")
+        name, eq, run_dir = item.rpartition("=")  # a name may hold "=" (k=1), a run path rarely does
         if not eq or not (Path(run_dir) / "metrics.jsonl").is_file():
             raise SystemExit(f"--curves {item!r}: give NAME=RUN_DIR, a run directory with metrics.jsonl")
         runs[name] = Path(run_dir)

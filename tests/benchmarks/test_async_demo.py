@@ -47,7 +47,9 @@ def test_curves_plot_named_finished_runs_and_refuse_a_directory_without_metrics(
 
     from async_demo import _named_runs, plot_runs
 
-    runs = {name: Path(_finished_run(tmp_path, name, 0.3, 0.0)["run_dir"]) for name in ("sync", "exact")}
+    runs = {
+        n: Path(_finished_run(tmp_path, n.split(",")[0], 0.3, 0.0)["run_dir"]) for n in ("sync", "exact, k=1")
+    }
     assert _named_runs([f"{n}={d}" for n, d in runs.items()]) == runs
     png = plot_runs(runs, tmp_path / "curves.png")
     assert matplotlib.image.imread(png).shape[:2] == (650, 1100)  # the 2 x 2 figure at 100 dpi
