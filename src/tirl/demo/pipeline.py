@@ -283,13 +283,14 @@ def run_demo(
         )
     }
     train_dirs, groups = {}, {name: [] for name in runs}
-    rl_started = time.perf_counter()
+    rl_started, ran = time.perf_counter(), 0  # units trained by this call (a resumed demo skips some)
     for done, (k, name) in enumerate(units):
         roc, tag, seed = runs[name], name if seeds == 1 else f"{name}_seed{k}", settings.demo.seed + k
         algo = "GRPO-RoC" if roc is None else f"plain GRPO (roc={roc})"
-        left = (time.perf_counter() - rl_started) / done * (len(units) - done) if done else None
+        left = (time.perf_counter() - rl_started) / ran * (len(units) - done) if ran else None
         eta = "" if left is None else f", ~{left / 60:.0f} min left"
         what = f"{algo}: {settings.demo.rl_steps} steps from the SFT model, seed {seed} [{done + 1}/{len(units)}{eta}]"
+        ran += tag not in phase.finished
         train_dirs[tag], model = phase.run(
             tag, what, partial(_train, settings, sft_model, rl_data, out, tag, roc, progress, seed, resume)
         )
