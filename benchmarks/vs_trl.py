@@ -553,6 +553,13 @@ class TreeMemory:
         return self.peak_mb
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of every finished, waited-for descendant: a side's work whatever
+    share of the cores it got, so a run beside other jobs still compares the two sides' cost."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_child(args: argparse.Namespace, side: str, engine: str, out: Path) -> dict:
     result_path = out / f"{side}_{engine}.json"
     if args.reuse and result_path.is_file():
@@ -574,16 +581,18 @@ def run_child(args: argparse.Namespace, side: str, engine: str, out: Path) -> di
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TRANSFORMERS_VERBOSITY": "error",
     }
+    cpu_before = _children_cpu_s()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     memory = TreeMemory(proc.pid, args.rss_interval)
     code = proc.wait()
     peak = memory.stop()
+    cpu = _children_cpu_s() - cpu_before
     log.close()
     if code != 0 or not result_path.is_file():
         tail = (out / f"{side}_{engine}.log").read_text(errors="replace").splitlines()[-15:]
         return {"side": side, "engine": engine, "error": f"exit code {code}", "log_tail": tail}
     result = json.loads(result_path.read_text())
-    result |= {"process_wall_s": time.perf_counter() - start, "peak_rss_tree_mb": peak}
+    result |= {"process_wall_s": time.perf_counter() - start, "peak_rss_tree_mb": peak, "cpu_s": cpu}
     result_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -633,19 +642,20 @@ def _num(x: float | None, spec: str) -> str:
 def table(results: list[dict], sft_accuracy: float | None) -> str:
     head = (
         "| side | engine | steps | step s | rollout s | update s | generated tok/s | peak RSS tree / main MB "
-        "| reward (last 5) | held-out accuracy |"
+        "| CPU s (whole run) / wall s | reward (last 5) | held-out accuracy |"
     )
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         label = f"{r['side']} ({r.get('algorithm', '?')})"
         if "error" in r:
-            lines.append(f"| {label} | {r['engine']} | failed: {r['error']} |||||||| ")
+            lines.append(f"| {label} | {r['engine']} | failed: {r['error']} ||||||||| ")
             continue
         acc = r.get("heldout_accuracy")
         lines.append(
             f"| {label} | {r['engine']} | {r['steps']} | {r['mean_step_s']:.1f} | {r['mean_rollout_s']:.1f} | "
             f"{r['mean_update_s']:.1f} | {r['generated_tokens_per_s']:.0f} | "
-            f"{r['peak_rss_tree_mb']:.0f} / {r['peak_rss_self_mb']:.0f} | {_num(r['reward_last5'], '.3f')} | "
+            f"{r['peak_rss_tree_mb']:.0f} / {r['peak_rss_self_mb']:.0f} | "
+            f"{_num(r.get('cpu_s'), '.0f')} / {_num(r.get('process_wall_s'), '.0f')} | {_num(r['reward_last5'], '.3f')} | "
             + ("n/a" if acc is None else f"{acc:.1f}%")
             + " |"
         )
