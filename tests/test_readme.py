@@ -142,6 +142,8 @@ NOT_RUN: dict[str, str] = {
     "LoRA's training runs are tests/rl/test_lora.py (sync and async, resume, FSDP2, both engines)",
     "tirl sft --config src/tirl/configs/demo/sft.yaml optim.lora.enabled=true": "after a demo run; "
     "LoRA's SFT runs are tests/rl/test_lora.py (adapter checkpoints, their merge, resume)",
+    "tirl demo --compare grpo --seeds 5": "two hours on 2 cores (10 RL runs); --compare and --seeds are run by "
+    "tests/demo/test_demo.py, the trace mix (TraceMix) by tests/demo/test_sft_traces.py",
 }
 # Placeholders of NOT_RUN commands, replaced by a real file when their config is loaded.
 PLACEHOLDER_CONFIG = {"CONFIG": "src/tirl/configs/demo/train.yaml"}
