@@ -103,3 +103,40 @@ def _whitespace_tokenizer():
     tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return tok
+
+
+def test_a_sides_cpu_seconds_count_its_child_and_reach_the_table():
+    import subprocess
+    import sys
+
+    before = vs_trl._children_cpu_s()
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass",
+        ],
+        check=True,
+    )
+    assert vs_trl._children_cpu_s() - before >= 0.45  # the child's own CPU time, not the wall time
+
+    run = {
+        "side": "tirl",
+        "engine": "hf",
+        "algorithm": "GRPO",
+        "steps": 2,
+        "step_s": [3.0, 5.0],
+        "rollout_s": [1.0, 2.0],
+        "update_s": [2.0, 3.0],
+        "generated_tokens": 300,
+        "reward": [0.1, 0.3],
+        "peak_rss_tree_mb": 900.0,
+        "peak_rss_self_mb": 400.0,
+        "cpu_s": 12.4,
+        "process_wall_s": 20.6,
+    }
+    failed = {"side": "trl", "engine": "vllm", "error": "exit code 1"}
+    lines = vs_trl.table([vs_trl.summarize(run), failed], None).splitlines()
+    widths = {line.count("|") for line in lines}
+    assert len(widths) == 1, lines  # the failed row has as many cells as the header
+    assert "| 12 / 21 |" in lines[2] and "| 4.0 | 1.5 | 2.5 | 100 |" in lines[2]
