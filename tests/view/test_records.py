@@ -1,4 +1,5 @@
-"""What the viewer makes of stored trajectories (no browser): turns, tool calls, statuses, RoC, errors."""
+"""What the viewer makes of stored trajectories (no browser): turns, tool calls, statuses, RoC, errors;
+then the records of hand-built trajectories, no model (see docs/mutation.md)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import json
 from collections import Counter
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
-from tirl.agent.trajectory import Trajectory, turn_token_counts
+from tirl.agent import AgentConfig
+from tirl.agent.protocol import tool_response_text
+from tirl.agent.trajectory import ToolCallRecord, Trajectory, turn_token_counts
 from tirl.cli import app
 from tirl.rl.grpo import group_advantages
 from tirl.rl.roc import penalties
 from tirl.view import ViewError, load_source, view_record
+from tirl.view.records import Source, split_turns
 from tirl.view.report import build_html
 
 # The session fixtures (teach the tiny model, a real eval, a real training run) set up inside the first
@@ -113,3 +118,231 @@ def test_bad_paths_are_one_clear_error(tmp_path):
     result = CliRunner().invoke(app, ["view", str(bad)])
     assert result.exit_code == 2 and result.output.startswith("error: ") and "bad.jsonl:2" in result.output
     assert not (tmp_path / "bad.html").exists()
+
+
+# ---- from hand-built trajectories, no model: turns split at the tool-response segments the agent
+# writes, each parsed call paired with its own record (by turn, by malformed-or-not, by code; records
+# arrive out of order), responses in order, the counts and penalties shown, and what load_source reads
+# from each kind of path ----
+
+NAME = "execute_python_code_with_standard_io"
+CFG = AgentConfig()
+
+
+def call(code: str, stdin: str | None = None) -> str:
+    args = {"code": code} if stdin is None else {"code": code, "input": stdin}
+    return f"<tool_call>{json.dumps({'name': NAME, 'arguments': args})}</tool_call>"
+
+
+def segment(*responses: str, closed: bool = False) -> str:
+    return tool_response_text(list(responses), CFG, turn_closed=closed)
+
+
+def traj(text: str, calls: list[ToolCallRecord], mask=None, **kw) -> Trajectory:
+    mask = mask if mask is not None else [1, 1, 0, 1]
+    return Trajectory("p1", [1, 2, 3], [7] * len(mask), mask, response_text=text, tool_calls=calls, **kw)
+
+
+def parts_of(turn: dict, kind: str) -> list:
+    return [p for k, p in turn["parts"] if k == kind]
+
+
+def test_turns_split_at_each_segment_and_calls_pair_with_their_records():
+    text = (
+        "think "
+        + call("print(1)")
+        + " mid "
+        + call("print(2)", "x")
+        + segment("1", "2")
+        + "again "
+        + call("print(3)")
+        + segment("boom", closed=True)
+        + "done <answer>\\boxed{3}</answer>"
+    )
+    records = [  # appended as calls finished: not in the text's order
+        ToolCallRecord(turn=0, status="runtime_error", code="print(2)", wall_ms=5.0),
+        ToolCallRecord(turn=1, status="timeout", code="print(3)", wall_ms=9.0),
+        ToolCallRecord(turn=0, status="ok", code="print(1)", wall_ms=3.0),
+    ]
+    t = traj(text, records, mask=[1, 1, 0, 0, 1, 0, 1, 1, 1])
+    turns = split_turns(t, [(2, 2), (1, 1), (3, 0)], {})
+    assert [(x["gen"], x["tool"]) for x in turns] == [(2, 2), (1, 1), (3, 0)]
+    first, second, third = turns
+    assert first["parts"][0] == ["text", "think "]
+    assert parts_of(first, "text") == ["think ", " mid "]
+    c1, c2 = parts_of(first, "call")
+    assert c1 == {"status": "ok", "wall_ms": 3.0, "response": "1", "code": "print(1)", "input": ""}
+    assert c2 == {
+        "status": "runtime_error",
+        "wall_ms": 5.0,
+        "response": "2",
+        "code": "print(2)",
+        "input": "x",
+    }
+    assert second["parts"][0] == ["text", CFG.prefill + "again "]
+    [c3] = parts_of(second, "call")
+    assert (c3["status"], c3["wall_ms"], c3["response"]) == ("timeout", 9.0, "boom")
+    assert second["parts"][-1][0] == "call"  # nothing after the call in that turn
+    assert third["parts"] == [["text", CFG.prefill + "done <answer>\\boxed{3}</answer>"]]
+
+
+def test_turns_beyond_the_token_counts_and_responses_show_unknowns():
+    text = call("print(1)") + segment("1") + call("print(2)")
+    t = traj(text, [ToolCallRecord(turn=0, status="ok", code="print(1)")])
+    turns = split_turns(t, [(3, 1)], {})
+    assert (turns[1]["gen"], turns[1]["tool"]) == (None, None)
+    [c] = parts_of(turns[1], "call")
+    assert c["status"] == "not_run" and c["wall_ms"] is None and c["response"] is None
+
+
+def test_same_code_twice_takes_records_in_order_and_other_turns_are_not_borrowed():
+    text = call("x") + call("x") + segment("a", "b") + call("x")
+    records = [
+        ToolCallRecord(turn=1, status="ok", code="x", wall_ms=30.0),
+        ToolCallRecord(turn=0, status="ok", code="x", wall_ms=10.0),
+        ToolCallRecord(turn=0, status="runtime_error", code="x", wall_ms=20.0),
+    ]
+    turns = split_turns(traj(text, records), [(1, 1), (1, 0)], {})
+    assert [c["wall_ms"] for c in parts_of(turns[0], "call")] == [10.0, 20.0]
+    assert [c["wall_ms"] for c in parts_of(turns[1], "call")] == [30.0]
+
+
+def test_a_call_without_an_exact_code_match_takes_a_record_of_its_turn():
+    text = call("print(1)")
+    records = [ToolCallRecord(turn=0, status="malformed", code="junk"), ToolCallRecord(0, "ok", "other", 4.0)]
+    [c] = parts_of(split_turns(traj(text, records), [(1, 0)], {})[0], "call")
+    assert (c["status"], c["wall_ms"], c["code"]) == ("ok", 4.0, "print(1)")
+
+
+def test_malformed_calls_pair_with_malformed_records_only():
+    bad = "<tool_call>{oops}</tool_call>"
+    text = "a " + bad + " b " + call("print(1)")
+    records = [
+        ToolCallRecord(turn=0, status="ok", code="print(1)", wall_ms=2.0),
+        ToolCallRecord(turn=0, status="malformed", code="{oops}", wall_ms=0.0),
+    ]
+    turn = split_turns(traj(text, records), [(1, 0)], {})[0]
+    m, ok = parts_of(turn, "call")
+    assert m["status"] == "malformed" and m["code"] == "{oops}" and "invalid JSON" in m["parse_error"]
+    assert "input" not in m
+    assert ok["status"] == "ok" and "parse_error" not in ok
+    assert parts_of(turn, "text") == ["a ", " b "]
+    # without its record, a malformed call shows its own text and is not_run
+    [alone] = parts_of(split_turns(traj(bad, []), [(1, 0)], {})[0], "call")
+    assert alone["status"] == "not_run" and alone["code"] == bad
+
+
+def test_the_agent_config_limits_and_schemas_are_the_ones_parsed_with():
+    text = call("print(1)") + call("print(2)")
+    records = [ToolCallRecord(0, "ok", "print(1)"), ToolCallRecord(0, "malformed", "")]
+    turn = split_turns(traj(text, records), [(1, 0)], {"max_calls_per_turn": 1})[0]
+    first, second = parts_of(turn, "call")
+    assert first["status"] == "ok" and second["status"] == "malformed"
+    assert "only 1 tool call(s) per turn" in second["parse_error"]
+    schema = {"type": "function", "function": {"name": "calc", "parameters": {"properties": {"e": {}}}}}
+    own = '<tool_call>{"name": "calc", "arguments": {"e": "1+1"}}</tool_call>'
+    [c] = parts_of(split_turns(traj(own, []), [(1, 0)], {"tool_schema": schema})[0], "call")
+    assert "parse_error" not in c and c["code"] == json.dumps({"e": "1+1"})
+
+
+def test_view_record_fields():
+    text = call("print(1)") + segment("1") + "<answer>\\boxed{1}</answer><answer>2</answer>"
+    records = [ToolCallRecord(0, "runtime_error", "print(1)", 1.0), ToolCallRecord(0, "ok", "y", 2.0)]
+    raw = traj(
+        text,
+        records,
+        mask=[1, 1, 0, 1, 1],
+        turns=2,
+        answer_blocks=2,
+        reward=1.0,
+        error="e",
+        finish_reason="answered",
+        gen_seconds=1.23456,
+        tool_wait_seconds=0.98765,
+        sample_index=3,
+    ).to_dict()
+    raw |= {"benchmark": "aime", "step": 4, "problem": "P?", "reference": "1", "roc": {"no_tool_p_err": 0.2}}
+    v = view_record(raw, 5)
+    assert (v["id"], v["bench"], v["step"], v["pid"], v["sample"]) == (5, "aime", 4, "p1", 3)
+    assert (v["problem"], v["reference"], v["answer"], v["reward"]) == ("P?", "1", "1", 1.0)
+    assert (v["finish"], v["error"], v["ncalls"], v["nerr"]) == ("answered", "e", 2, 1)
+    assert v["statuses"] == {"runtime_error": 1, "ok": 1}
+    assert (v["len"], v["gen"], v["prompt_len"]) == (5, 4, 3)
+    assert (v["p_err"], v["p_format"], v["p_total"]) == (0.5, 0.5, 1.0)
+    assert (v["gen_s"], v["tool_s"], v["roc"]) == (1.235, 0.988, {"no_tool_p_err": 0.2})
+    assert len(v["turns"]) == 2 and (v["turns"][0]["gen"], v["turns"][0]["tool"]) == (2, 1)
+
+
+def test_view_record_defaults_and_stored_values():
+    raw = traj("no tools, no answer", [], mask=[1, 1], turns=1, answer_blocks=1).to_dict()
+    raw |= {"prompt_ids": [], "prompt_tokens": 17, "turn_tokens": [[5, 0]], "answer": "stored"}
+    v = view_record(raw, 0)
+    assert (v["bench"], v["step"], v["problem"], v["reference"], v["roc"]) == ("", None, "", None, None)
+    assert v["answer"] == "stored" and v["prompt_len"] == 17 and (v["len"], v["gen"]) == (5, 5)
+    assert v["p_err"] == 0.5 and v["statuses"] == {}  # no call: RoC's default p_err
+    raw["roc"] = {"no_tool_p_err": 0.0}
+    assert view_record(raw, 0)["p_err"] == 0.0
+    del raw["answer"]
+    assert view_record(raw, 0)["answer"] is None
+
+
+def test_a_record_that_is_not_a_trajectory_is_a_view_error():
+    with pytest.raises(ViewError) as err:
+        view_record({"problem_id": "a", "prompt_ids": [], "bogus": 1, "tool_calls": [{"x": 1}]}, 2)
+    assert str(err.value).startswith("trajectory #3 is not a tirl trajectory record: ")
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_load_source_reads_each_kind_of_path(tmp_path):
+    row = traj("x", []).to_dict()
+    bare = tmp_path / "some.jsonl"
+    _write(bare, [row, row])
+    assert load_source(str(bare)) == Source("trajectories", bare, [row, row])
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _write(run / "metrics.jsonl", [{"step": 1}, {"step": 2}])
+    assert load_source(run) == Source("train", run, [], curves=[{"step": 1}, {"step": 2}], agent={})
+    (run / "config.yaml").write_text(yaml.safe_dump({"agent": {"max_turns": 3}}))
+    _write(run / "trajectories.jsonl", [row])
+    src = load_source(run)
+    assert (src.kind, src.records, src.agent) == ("train", [row], {"max_turns": 3})
+    (run / "config.yaml").write_text("")
+    assert load_source(run).agent == {}
+
+    ev = tmp_path / "eval"
+    ev.mkdir()
+    _write(ev / "trajectories.jsonl", [row])
+    assert load_source(ev) == Source("eval", ev, [row])
+    metrics = {"benchmarks": {"aime": {"pass1": 0.5}}, "config": {"agent": {"max_turns": 2}}}
+    (ev / "metrics.json").write_text(json.dumps(metrics))
+    assert load_source(ev) == Source(
+        "eval", ev, [row], summary={"aime": {"pass1": 0.5}}, agent={"max_turns": 2}
+    )
+
+
+def test_load_source_errors_name_the_path_and_what_to_give(tmp_path):
+    what = "give an eval output directory, a training run directory or a trajectories.jsonl"
+    with pytest.raises(ViewError) as err:
+        load_source(tmp_path / "missing")
+    assert str(err.value) == f"{tmp_path / 'missing'}: no such file or directory ({what})"
+    with pytest.raises(ViewError) as err:
+        load_source(tmp_path)
+    assert str(err.value) == f"{tmp_path} holds neither trajectories.jsonl nor metrics.jsonl ({what})"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1]\n")
+    with pytest.raises(ViewError) as err:
+        load_source(bad)
+    assert str(err.value).endswith("expected a JSON object, got list; is it a tirl JSONL file?")
+
+
+def test_statuses_count_every_call_and_no_empty_text_is_shown():
+    text = call("a") + call("b") + call("c")
+    records = [ToolCallRecord(0, "ok", "a"), ToolCallRecord(0, "ok", "b"), ToolCallRecord(0, "timeout", "c")]
+    v = view_record(traj(text, records, mask=[1, 1]).to_dict(), 0)
+    assert v["statuses"] == {"ok": 2, "timeout": 1}
+    parts = v["turns"][0]["parts"]
+    assert [kind for kind, _ in parts] == ["call", "call", "call"]  # back to back: no empty text between
