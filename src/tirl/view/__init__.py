@@ -6,6 +6,6 @@ curves) or a trajectories.jsonl. `records` turns stored trajectories into what t
 """
 
 from tirl.view.records import Source, ViewError, load_source, view_record
-from tirl.view.report import build_html, write_view
+from tirl.view.report import build_html, printable, write_view
 
-__all__ = ["Source", "ViewError", "build_html", "load_source", "view_record", "write_view"]
+__all__ = ["Source", "ViewError", "build_html", "load_source", "printable", "view_record", "write_view"]

@@ -64,17 +64,18 @@ def load_source(path: str | Path) -> Source:
             path,
             _read_jsonl(trajectories) if trajectories.exists() else [],
             curves=_read_jsonl(path / "metrics.jsonl"),
-            agent=config.get("agent", {}),
+            agent=_mapping(config.get("agent")),
         )
     if not trajectories.exists():
         raise ViewError(f"{path} holds neither {TRAJECTORIES} nor metrics.jsonl ({_WHAT})")
-    metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").exists() else {}
+    metrics = _read_json(path / "metrics.json")
+    benchmarks = _mapping(metrics.get("benchmarks"))
     return Source(
         "eval",
         path,
         _read_jsonl(trajectories),
-        summary=metrics.get("benchmarks", {}),
-        agent=metrics.get("config", {}).get("agent", {}),
+        summary={str(k): v for k, v in benchmarks.items() if isinstance(v, dict)},
+        agent=_mapping(_mapping(metrics.get("config")).get("agent")),
     )
 
 
@@ -82,27 +83,63 @@ _WHAT = "give an eval output directory, a training run directory or a trajectori
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """The file's records; bytes that are not UTF-8 (a lone surrogate written raw) read as U+FFFD, so a
+    damaged or hostile record still shows instead of stopping the viewer."""
     try:
         return read_jsonl(path)
     except DataError as e:
         raise ViewError(f"{e}; is it a tirl JSONL file?") from None
+    except UnicodeDecodeError:
+        pass
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as e:
+            raise ViewError(f"{path}:{number}: not valid JSON ({e.msg}); is it a tirl JSONL file?") from None
+        if row is not None and not isinstance(row, dict):
+            raise ViewError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+        rows += [row] if row is not None else []
+    return rows
+
+
+def _mapping(value: object) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return _mapping(json.loads(path.read_text(encoding="utf-8", errors="replace")))
+    except json.JSONDecodeError as e:
+        raise ViewError(f"{path}: not valid JSON ({e.msg}); is it a tirl eval output?") from None
 
 
 def _read_yaml(path: Path) -> dict:
-    if not path.exists():
+    if not path.is_file():
         return {}
     import yaml
 
-    return yaml.safe_load(path.read_text()) or {}
+    try:
+        return _mapping(yaml.safe_load(path.read_text(encoding="utf-8", errors="replace")))
+    except yaml.YAMLError as e:
+        raise ViewError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); is it a tirl run?") from None
 
 
 def view_record(raw: dict, index: int, agent: dict | None = None) -> dict:
-    """One stored trajectory as the page shows it (see the keys below and viewer.js)."""
-    agent = agent or {}
+    """One stored trajectory as the page shows it (see the keys below and viewer.js). A record whose
+    fields have the wrong types is one ViewError line naming it, not a traceback."""
     try:
-        traj = Trajectory.from_dict(raw)
-    except TypeError as e:
+        return _view_record(raw, index, agent or {})
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        if isinstance(e, ViewError):
+            raise
         raise ViewError(f"trajectory #{index + 1} is not a tirl trajectory record: {e}") from None
+
+
+def _view_record(raw: dict, index: int, agent: dict) -> dict:
+    traj = Trajectory.from_dict(raw)
     tokens = raw.get("turn_tokens") or turn_token_counts(traj.loss_mask)
     pen = penalties(traj, (raw.get("roc") or {}).get("no_tool_p_err", 0.5))
     answer = raw["answer"] if "answer" in raw else extract_answer(traj.response_text)
@@ -175,7 +212,7 @@ def _turn_parts(
             shown |= {"code": call_source(call), "input": call.arguments.get("input", "")}
         else:
             shown |= {
-                "code": record.code if record else text[call.start : call.end],
+                "code": str(record.code) if record else text[call.start : call.end],
                 "parse_error": call.message,
             }
         parts.append(["call", shown])

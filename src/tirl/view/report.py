@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import html
 import json
+import math
+import re
 from importlib.resources import files
 from pathlib import Path
 
@@ -28,25 +30,46 @@ def page_data(source: Source) -> dict:
         "source": str(source.path),
         "summary": source.summary,
         "curves": [
-            {"step": row["step"], **{short: row[key] for key, short in CURVES.items() if key in row}}
+            {
+                "step": row["step"],
+                **{short: row[key] for key, short in CURVES.items() if _number(row.get(key))},
+            }
             for row in source.curves
-            if "step" in row
+            if _number(row.get("step"))
         ],
         "trajectories": [view_record(raw, i, source.agent) for i, raw in enumerate(source.records)],
     }
+
+
+# The template's slots, filled in one pass over the template alone: a path or record that holds
+# "__DATA__" or "__JS__" is never taken for a slot.
+_SLOT = re.compile(r"__(TITLE|CSS|JS|DATA)__")
+# A lone surrogate (a JSON "\\ud800" escape, or a file name that is not UTF-8) cannot be written as
+# UTF-8: it is shown as U+FFFD instead of stopping the viewer.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _number(value: object) -> bool:
+    """A value a curve can plot (a metrics row written by someone else may hold anything)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def build_html(source: Source) -> str:
     assets = files("tirl.view") / "assets"
     template = (assets / "viewer.html").read_text(encoding="utf-8")
     data = json.dumps(page_data(source), ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
-    page = (
-        template.replace("__TITLE__", html.escape(f"tirl view: {source.path}"))
-        .replace("__CSS__", (assets / "viewer.css").read_text(encoding="utf-8"))
-        .replace("__JS__", (assets / "viewer.js").read_text(encoding="utf-8"))
-    )
-    head, tail = page.split("__DATA__")  # last, so no placeholder is ever looked for inside the data
-    return head + data + tail
+    slots = {
+        "TITLE": html.escape(f"tirl view: {source.path}"),
+        "CSS": (assets / "viewer.css").read_text(encoding="utf-8"),
+        "JS": (assets / "viewer.js").read_text(encoding="utf-8"),
+        "DATA": data,
+    }
+    return printable(_SLOT.sub(lambda m: slots[m.group(1)], template))
+
+
+def printable(text: object) -> str:
+    """`text` with lone surrogates as U+FFFD: what a page or a terminal can show of it."""
+    return _SURROGATE.sub("\ufffd", str(text))
 
 
 def default_output(path: Path) -> Path:

@@ -76,21 +76,21 @@ function highlightText(text) {
 
 // ---------- table ----------
 const COLUMNS = [
-  { key: "id", label: "#", width: "48px", num: true, cell: (t) => t.id + 1 },
-  { key: "step", label: "step", width: "48px", num: true, train: true, cell: (t) => t.step ?? "" },
+  { key: "id", label: "#", width: "48px", num: true, cell: (t) => esc(t.id + 1) },
+  { key: "step", label: "step", width: "48px", num: true, train: true, cell: (t) => esc(t.step ?? "") },
   { key: "bench", label: "benchmark", width: "minmax(60px, .8fr)", bench: true, cell: (t) => esc(t.bench) },
   // The problem's text (its id when the record has none), the id and sample in the tooltip.
   { key: "problem", label: "problem", width: "minmax(120px, 2fr)",
-    cell: (t) => `<span title="${esc(t.pid)} #${t.sample}">${esc(t.problem || t.pid)}</span>` },
+    cell: (t) => `<span title="${esc(t.pid)} #${esc(t.sample)}">${esc(t.problem || t.pid)}</span>` },
   { key: "reward", label: "reward", width: "56px", num: true,
     cell: (t) => (correct(t) ? `<span class="good">✓ ${fmt(t.reward, 1)}</span>` : `<span class="bad">✗ ${fmt(t.reward, 1)}</span>`) },
   { key: "answer", label: "answer", width: "minmax(50px, .7fr)", cell: (t) => `<span class="mono">${esc(t.answer ?? "–")}</span>` },
   { key: "reference", label: "ref", width: "minmax(40px, .5fr)", cell: (t) => `<span class="mono">${esc(t.reference ?? "")}</span>` },
   { key: "finish", label: "finish", width: "72px", cell: (t) => esc(t.finish) },
-  { key: "nturns", label: "turns", width: "44px", num: true, cell: (t) => t.turns.length },
-  { key: "ncalls", label: "calls", width: "44px", num: true, cell: (t) => t.ncalls },
-  { key: "nerr", label: "errors", width: "48px", num: true, cell: (t) => (t.nerr ? `<span class="bad">${t.nerr}</span>` : "0") },
-  { key: "len", label: "tokens", width: "56px", num: true, cell: (t) => t.len },
+  { key: "nturns", label: "turns", width: "44px", num: true, cell: (t) => esc(t.turns.length) },
+  { key: "ncalls", label: "calls", width: "44px", num: true, cell: (t) => esc(t.ncalls) },
+  { key: "nerr", label: "errors", width: "48px", num: true, cell: (t) => (t.nerr ? `<span class="bad">${esc(t.nerr)}</span>` : "0") },
+  { key: "len", label: "tokens", width: "56px", num: true, cell: (t) => esc(t.len) },
   { key: "kept", label: "RoC", width: "62px", train: true,
     cell: (t) => (t.roc ? (t.roc.kept ? '<span class="good">kept</span>' : '<span class="muted">dropped</span>') : "") },
   { key: "adv", label: "adv", width: "52px", num: true, train: true, cell: (t) => (t.roc && t.roc.kept ? fixed(t.roc.advantage, 2) : "") },
@@ -127,7 +127,7 @@ function renderRows() {
   let html = "";
   for (let i = first; i < last; i++) {
     const t = state.shown[i];
-    html += `<div class="row${t.id === state.selected ? " selected" : ""}" data-id="${t.id}">` +
+    html += `<div class="row${t.id === state.selected ? " selected" : ""}" data-id="${esc(t.id)}">` +
       columns.map((c) => `<div class="${c.num ? "num" : ""}">${c.cell(t)}</div>`).join("") + "</div>";
   }
   rows.innerHTML = html;
@@ -254,14 +254,14 @@ function select(id, scrollIntoView) {
 function renderTrajectory(t) {
   const where = [t.bench, t.step !== null && t.step !== undefined ? `step ${t.step}` : ""].filter(Boolean).join(" · ");
   const ok = correct(t);
-  let html = `<h2>${esc(t.pid)} <span class="muted">sample ${t.sample}${where ? " · " + esc(where) : ""}</span></h2>`;
+  let html = `<h2>${esc(t.pid)} <span class="muted">sample ${esc(t.sample)}${where ? " · " + esc(where) : ""}</span></h2>`;
   html += `<div class="badges">
     <span class="badge ${ok ? "correct" : "wrong"}" id="reward">reward ${Number(t.reward).toFixed(1)} · ${ok ? "correct" : "wrong"}</span>
     <span class="badge">answer <b class="mono">${esc(t.answer ?? "none")}</b></span>
     <span class="badge">reference <b class="mono">${esc(t.reference ?? "–")}</b></span>
     <span class="badge ${t.finish === "error" ? "error" : ""}">finish: ${esc(t.finish)}</span>
-    <span class="badge">${t.turns.length} turns · ${t.ncalls} tool calls · ${t.nerr} errored</span>
-    <span class="badge">${t.prompt_len ?? "?"} prompt + ${t.gen} generated + ${t.len - t.gen} tool tokens</span>
+    <span class="badge">${esc(t.turns.length)} turns · ${esc(t.ncalls)} tool calls · ${esc(t.nerr)} errored</span>
+    <span class="badge">${esc(t.prompt_len ?? "?")} prompt + ${esc(t.gen)} generated + ${esc(t.len - t.gen)} tool tokens</span>
     <span class="badge">${fmt(t.gen_s, 1)} s generating · ${fmt(t.tool_s, 1)} s waiting for tools</span>
   </div>`;
   if (t.error) html += `<div class="box"><h4>error</h4><pre class="response st-runtime_error">${esc(t.error)}</pre></div>`;
@@ -271,13 +271,13 @@ function renderTrajectory(t) {
   if (t.roc) {
     html += `<div><span>RoC</span><b class="${t.roc.kept ? "good" : "bad"}">${t.roc.kept ? "kept" : "dropped"}</b></div>
       <div><span>advantage</span>${t.roc.kept ? fixed(t.roc.advantage) : "– (not trained)"}</div>
-      <div><span>group</span>${t.roc.group_correct}/${t.roc.group_size} correct, ${t.roc.group_kept} kept</div>`;
+      <div><span>group</span>${esc(t.roc.group_correct)}/${esc(t.roc.group_size)} correct, ${esc(t.roc.group_kept)} kept</div>`;
   }
   html += `</div></div>`;
   html += `<div class="box"><h4>problem</h4><div class="text">${esc(t.problem || "(problem text not recorded)")}</div></div>`;
   t.turns.forEach((turn, k) => {
     const tokens = turn.gen === null || turn.gen === undefined ? "" :
-      ` · ${turn.gen} generated tokens` + (turn.tool ? ` · ${turn.tool} tool-response tokens` : "");
+      ` · ${esc(turn.gen)} generated tokens` + (turn.tool ? ` · ${esc(turn.tool)} tool-response tokens` : "");
     html += `<section class="turn"><div class="turn-head">turn ${k + 1}${tokens}</div>`;
     for (const [kind, p] of turn.parts) html += kind === "text" ? `<div class="text">${highlightText(p)}</div>` : renderCall(p);
     html += `</section>`;
@@ -304,7 +304,7 @@ function renderSummary() {
   $("#source").textContent = DATA.source;
   const cards = [];
   for (const [name, m] of Object.entries(DATA.summary || {})) {
-    cards.push(`<span class="card">${esc(name)}: <b>${pct(m.pass1)}</b> avg@${m.samples} pass@1 · maj ${pct(m.maj)} · ` +
+    cards.push(`<span class="card">${esc(name)}: <b>${pct(m.pass1)}</b> avg@${esc(m.samples)} pass@1 · maj ${pct(m.maj)} · ` +
       `tool errors ${pct(m.tool_error_rate)} · ${fmt(m.mean_response_tokens, 0)} tokens</span>`);
   }
   if (DATA.curves.length) {
@@ -338,9 +338,9 @@ function renderCurves() {
     const line = pts.map((r) => `${X(r.step).toFixed(1)},${Y(r[key]).toFixed(1)}`).join(" ");
     const dots = pts.map((r) => {
       const title = `step ${r.step}: ${fmt(r[key], 4)}${sampled.has(r.step) ? " (click: its trajectories)" : ""}`;
-      return `<g data-step="${r.step}"><title>${esc(title)}</title>` +
+      return `<g data-step="${esc(r.step)}"><title>${esc(title)}</title>` +
         `<circle class="hit" cx="${X(r.step)}" cy="${Y(r[key])}" r="8"></circle>` +
-        `<circle class="pt${sampled.has(r.step) ? " sampled" : ""}" data-step="${r.step}" cx="${X(r.step)}" cy="${Y(r[key])}" r="3"></circle></g>`;
+        `<circle class="pt${sampled.has(r.step) ? " sampled" : ""}" data-step="${esc(r.step)}" cx="${X(r.step)}" cy="${Y(r[key])}" r="3"></circle></g>`;
     }).join("");
     return `<div class="chart" data-key="${key}"><h3>${title}</h3>
       <svg viewBox="0 0 ${W} ${H}" preserveAspectRatio="none">
@@ -348,8 +348,8 @@ function renderCurves() {
         <line class="axis" x1="${L}" y1="${T}" x2="${L}" y2="${H - B}"></line>
         <text class="tick" x="${L - 3}" y="${T + 8}" text-anchor="end">${fmt(y1, 2)}</text>
         <text class="tick" x="${L - 3}" y="${H - B}" text-anchor="end">${fmt(y0, 2)}</text>
-        <text class="tick" x="${L}" y="${H - 4}">${x0}</text>
-        <text class="tick" x="${W - R}" y="${H - 4}" text-anchor="end">step ${x1}</text>
+        <text class="tick" x="${L}" y="${H - 4}">${esc(x0)}</text>
+        <text class="tick" x="${W - R}" y="${H - 4}" text-anchor="end">step ${esc(x1)}</text>
         <line class="cursor" x1="-10" x2="-10" y1="${T}" y2="${H - B}"></line>
         <polyline points="${line}"></polyline>${dots}
       </svg></div>`;
