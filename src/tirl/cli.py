@@ -679,13 +679,13 @@ def view_command(
     port: int = typer.Option(8765, "--port", help="0 picks a free port."),
 ) -> None:
     """Write a self-contained HTML trajectory viewer (works offline from disk); --serve serves it."""
-    from tirl.view import ViewError, write_view
+    from tirl.view import ViewError, printable, write_view
 
     try:
         page, n = write_view(path, out)
     except (ViewError, OSError) as e:
-        _fail(e)
-    typer.echo(f"wrote {page} ({n} trajectories): open it in a browser")
+        _fail(ViewError(printable(e)))  # a path that is not UTF-8 is shown, not a second error
+    typer.echo(printable(f"wrote {page} ({n} trajectories): open it in a browser"))
     if serve:
         from tirl.view.serve import serve as serve_page
 
