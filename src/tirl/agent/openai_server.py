@@ -27,25 +27,38 @@ Thinking models, per chat template family (`template_policy`):
   is refused (409): start a new trajectory for a new query.
 - llama3 and chatml (Qwen2.5, tirl's tiny model): no thinking in the template; histories extend.
 Anything else is treated like chatml and checked the same way (a 409 says when it does not extend).
+
+Over HTTP (docs/security.md, "HTTP servers"): every request passes tirl's HTTP guard (Host allowlist,
+JSON-only POSTs, optional bearer token, bounded bodies); trajectory ids are issued by the endpoint
+(unguessable), and a request may only open an id it issued. Each request is validated by a pydantic
+model (a malformed one answers 400, sampling parameters out of range included). A request is atomic:
+one that fails, is refused or whose client disconnects leaves its trajectory as it was, and the first
+request of a trajectory that fails releases the engine lease it took. A trajectory left idle for
+`idle_timeout_s` (an agent that died) is dropped and its lease released. Chat templates render and
+tokenize on worker threads, so one huge request does not stall the other agents' requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
-import uuid
-from contextlib import AsyncExitStack, suppress
+from collections import OrderedDict
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tirl.agent.protocol import ToolCall, count_answer_blocks, parse_tool_calls
 from tirl.agent.trajectory import ToolCallRecord, ToolCallStatus, Trajectory
 from tirl.engines.base import EnginePool, SamplingParams
+from tirl.http_guard import GuardPolicy, HTTPGuard, Refusal, unguessable_id
 
 DriftPolicy = Literal["keep", "error"]
 
@@ -56,6 +69,100 @@ class ChatError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+# ---- the request, validated -------------------------------------------------------------------------------
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+NAME = re.compile(r"[A-Za-z0-9._-]{0,64}")  # a trajectory name: it goes into URL paths
+
+
+class _Open(BaseModel):
+    """Objects whose unknown keys are kept (clients add their own, templates may read them)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(_Open):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class Message(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionSpec(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class ChatRequest(BaseModel):
+    """The fields of /v1/chat/completions the recorder reads; any other field is ignored."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    messages: list[Message]
+    tools: list[ToolSpec] | None = None
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool | None = None
+    n: int | None = None
+
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise ChatError(
+                400, f"stop: at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters each"
+            )
+        return stop
+
+
+def parse_request(request: Any) -> ChatRequest:
+    """The request body as a ChatRequest, or a 400 that names each wrong field."""
+    if not isinstance(request, dict):
+        raise ChatError(400, f"the body must be a JSON object, not {type(request).__name__}")
+    try:
+        req = ChatRequest.model_validate(request)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:8]
+        )
+        raise ChatError(400, f"invalid request: {problems}") from None
+    if req.stream:
+        raise ChatError(400, "stream=true is not supported: the recorder answers whole turns")
+    if (req.n or 1) != 1:
+        raise ChatError(400, "n must be 1: one trajectory is one sequence of turns")
+    if not req.messages:
+        raise ChatError(400, "messages is empty")
+    return req
 
 
 @dataclass(frozen=True)
@@ -103,6 +210,25 @@ class Recording:
     stack: AsyncExitStack = field(default_factory=AsyncExitStack)  # holds the engine lease
     engine_handle: Any = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state a request changes, copied: a request that fails is undone with `restore`."""
+        return {name: _copy(getattr(self, name)) for name in _REQUEST_STATE}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+_REQUEST_STATE = (
+    "prompt_ids", "ids", "messages", "loss_mask", "logprobs", "versions", "closing", "turns", "drift",
+    "last_finish", "generated_text", "gen_seconds",
+)  # fmt: skip
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
 
 
 def _norm_message(m: dict) -> dict:
@@ -139,7 +265,12 @@ class ChatRecorder:
         on_drift: DriftPolicy = "keep",
         chat_template_kwargs: dict | None = None,
         prefill: str = "",
+        idle_timeout_s: float | None = 600.0,
     ):
+        if idle_timeout_s is not None and not idle_timeout_s > 0:
+            raise ValueError(
+                f"idle_timeout_s={idle_timeout_s}: give seconds > 0, or None to keep idle trajectories"
+            )
         self.pool = pool
         self.tokenizer = tokenizer
         self.max_response_tokens = max_response_tokens
@@ -149,7 +280,13 @@ class ChatRecorder:
         # Written after every assistant header before the model generates (tirl's agent.prefill, e.g.
         # "<reason>"): loss mask 0, and part of the assistant message's content the agent gets back.
         self.prefill = prefill
+        # An agent that dies mid-trajectory never finishes it: after this long without a request its
+        # trajectory is dropped and its engine lease released (None: kept until finish()).
+        self.idle_timeout_s = idle_timeout_s
         self._recordings: dict[str, Recording] = {}
+        self._issued: dict[str, float] = {}  # ids handed out, not yet opened: when
+        self._issued_lock = threading.Lock()  # issue() is called from any thread
+        self._gone: OrderedDict[str, str] = OrderedDict()  # recently dropped ids: why (for the 404)
         eot = tokenizer.convert_tokens_to_ids(self.policy.end_of_turn)
         self.eot_id = eot
         ids = {eot, tokenizer.eos_token_id}
@@ -168,34 +305,84 @@ class ChatRecorder:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    # --- trajectory ids ---------------------------------------------------------------------------
+    def issue(self, name: str = "") -> str:
+        """A new trajectory id no one can guess (`name` readable in front of it); over HTTP a request
+        may only open an id issued here, so a web page cannot name a live trajectory."""
+        if not NAME.fullmatch(name):
+            raise ValueError(f"trajectory name {name!r}: up to 64 of A-Z a-z 0-9 . _ -")
+        tid = unguessable_id(f"{name}-" if name else "t-")
+        with self._issued_lock:
+            self._issued[tid] = time.monotonic()
+        return tid
+
+    def known(self, trajectory_id: str) -> bool:
+        """Issued here and not finished: an id a request over HTTP may use."""
+        with self._issued_lock:
+            return trajectory_id in self._issued or trajectory_id in self._recordings
+
     # --- one request ------------------------------------------------------------------------------
     async def complete(self, trajectory_id: str, request: dict, group: str | None = None) -> dict:
-        """One /v1/chat/completions request of a trajectory: the OpenAI response (plus a `tirl` field)."""
-        _check_supported(request)
-        messages = list(request.get("messages") or [])
-        if not messages:
-            raise ChatError(400, "messages is empty")
+        """One /v1/chat/completions request of a trajectory: the OpenAI response (plus a `tirl` field).
+        Atomic: a request that raises or is cancelled leaves the trajectory as it was (a trajectory's
+        first request takes its engine lease with it)."""
+        req = parse_request(request)
+        messages = [m.model_dump(exclude_unset=True) for m in req.messages]
+        tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
         rec = self._recordings.get(trajectory_id)
-        if rec is None:
-            rec = await self._open(trajectory_id, messages, request.get("tools"), group or trajectory_id)
-            added = 0
-        else:
-            if rec.lock.locked():
-                raise ChatError(
-                    409, f"trajectory {trajectory_id!r} has a request in flight: send one at a time"
-                )
-            added = self._extend(rec, messages)
+        if rec is not None and rec.lock.locked():
+            raise ChatError(409, f"trajectory {trajectory_id!r} has a request in flight: send one at a time")
+        fresh = rec is None
+        if rec is None:  # registered before any await: a second first request gets the 409 above
+            rec = Recording(trajectory_id, group or trajectory_id, [], [], [], tools)
+            self._recordings[trajectory_id] = rec
+            with self._issued_lock:
+                self._issued.pop(trajectory_id, None)
         async with rec.lock:
-            return await self._generate(rec, request, added)
+            state = rec.snapshot()
+            try:
+                added = 0
+                if fresh:
+                    await self._open(rec, messages, tools)
+                else:
+                    added = await self._add_messages(rec, messages)
+                return await self._generate(rec, req, added)
+            except BaseException:
+                if fresh:
+                    await self._drop(trajectory_id, "its first request failed")
+                else:
+                    rec.restore(state)
+                raise
+            finally:
+                rec.last_used = time.monotonic()
 
-    async def _open(self, tid: str, messages: list[dict], tools: list[dict] | None, group: str) -> Recording:
-        prompt_ids = self.encode(self.render(messages, tools, generation_prompt=True))
-        rec = Recording(tid, group, prompt_ids, list(prompt_ids), [dict(m) for m in messages], tools)
+    async def _open(self, rec: Recording, messages: list[dict], tools: list[dict] | None) -> None:
+        text = await asyncio.to_thread(self.render, messages, tools, True)
+        prompt_ids = await asyncio.to_thread(self.encode, text)
+        rec.prompt_ids, rec.ids, rec.messages = prompt_ids, list(prompt_ids), [dict(m) for m in messages]
         budget = len(prompt_ids) + self.max_response_tokens
-        rec.engine_handle = await rec.stack.enter_async_context(self.pool.lease(group, budget))
+        rec.engine_handle = await rec.stack.enter_async_context(self.pool.lease(rec.group, budget))
         rec.engine = str(getattr(rec.engine_handle, "name", type(rec.engine_handle).__name__))
-        self._recordings[tid] = rec
-        return rec
+
+    async def _add_messages(self, rec: Recording, messages: list[dict]) -> int:
+        """`_extend` on a worker thread (rendering and tokenizing a long history takes a while), on a
+        copy of the recording, applied here on the loop; the number of tokens added."""
+        work = Recording(rec.trajectory_id, rec.group, [], list(rec.ids), list(rec.messages), rec.tools)
+        work.loss_mask, work.logprobs, work.versions = (
+            list(rec.loss_mask),
+            list(rec.logprobs),
+            list(rec.versions),
+        )
+        work.closing, work.drift = rec.closing, list(rec.drift)
+        added = await asyncio.to_thread(self._extend, work, messages)
+        rec.ids, rec.loss_mask, rec.logprobs, rec.versions = (
+            work.ids,
+            work.loss_mask,
+            work.logprobs,
+            work.versions,
+        )
+        rec.messages, rec.closing = work.messages, work.closing
+        return added
 
     def _extend(self, rec: Recording, messages: list[dict]) -> int:
         """Append the request's new messages as tokens (loss mask 0); the number of tokens added."""
@@ -237,21 +424,20 @@ class ChatRecorder:
         rec.logprobs += [0.0] * len(tokens)
         rec.versions += [rec.versions[-1] if rec.versions else 0] * len(tokens)
 
-    async def _generate(self, rec: Recording, request: dict, added: int) -> dict:
+    async def _generate(self, rec: Recording, req: ChatRequest, added: int) -> dict:
         left = self.max_response_tokens - len(rec.loss_mask)
         if left <= 0:
             raise ChatError(
                 400, f"trajectory {rec.trajectory_id!r} used its {self.max_response_tokens} tokens"
             )
-        wanted = request.get("max_completion_tokens") or request.get("max_tokens") or left
-        stop = request.get("stop") or []
+        wanted = req.max_completion_tokens or req.max_tokens or left
         params = SamplingParams(
-            temperature=float(request.get("temperature", 1.0)),
-            top_p=float(request.get("top_p", 1.0)),
-            max_tokens=min(int(wanted), left),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=min(wanted, left),
             stop_token_ids=list(self.stop_ids),
-            stop_strings=[stop] if isinstance(stop, str) else list(stop),
-            seed=request.get("seed"),
+            stop_strings=req.stop_strings(),
+            seed=req.seed,
         )
         if self.prefill and rec.loss_mask:
             self._append(rec, self.encode(self.prefill))
@@ -273,8 +459,15 @@ class ChatRecorder:
         rec.generated_text.append(text)
         message = self._assistant_message(text, rec.tools)
         generated = self.prefill + self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
-        self._close_turn(rec, message, generated, ended and gen.token_ids[-1] == self.eot_id)
-        return self._response(rec, message, gen.finish_reason, len(gen.token_ids), added, request)
+        ended_with_eot = ended and gen.token_ids[-1] == self.eot_id
+        closing, drift = await asyncio.to_thread(
+            self._turn_closing, list(rec.messages), rec.tools, message, generated, ended_with_eot, rec.turns
+        )
+        rec.messages.append(message)
+        rec.closing = closing
+        if drift:
+            rec.drift.append(drift)
+        return self._response(rec, message, gen.finish_reason, len(gen.token_ids), added, req)
 
     def _assistant_message(self, text: str, tools: list[dict] | None) -> dict:
         """The turn as an OpenAI assistant message: well-formed <tool_call> blocks become tool_calls
@@ -288,7 +481,7 @@ class ChatRecorder:
             content = content[: c.start] + content[c.end :]
         tool_calls = [
             {
-                "id": f"call_{uuid.uuid4().hex[:12]}",
+                "id": unguessable_id("call_"),
                 "type": "function",
                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
             }
@@ -296,39 +489,44 @@ class ChatRecorder:
         ]
         return {"role": "assistant", "content": content.strip(), "tool_calls": tool_calls}
 
-    def _close_turn(self, rec: Recording, message: dict, generated: str, ended_with_eot: bool) -> None:
-        """Record the assistant message and what the template writes after the generated tokens; a
+    def _turn_closing(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        message: dict,
+        generated: str,
+        ended_with_eot: bool,
+        turn_number: int,
+    ) -> tuple[str, str]:
+        """What the template writes after the generated tokens, and a drift note ("" if none): a
         template rendering of the turn that differs from the generation is drift (tokens kept)."""
-        prompt_text = self.render(rec.messages, rec.tools, generation_prompt=True)
-        rendered = self.render([*rec.messages, message], rec.tools, generation_prompt=False)
-        rec.messages.append(message)
+        prompt_text = self.render(messages, tools, generation_prompt=True)
+        rendered = self.render([*messages, message], tools, generation_prompt=False)
         eot = self.policy.end_of_turn
         turn = rendered[len(prompt_text) :] if rendered.startswith(prompt_text) else ""
         tail = turn[len(generated) :]
         if turn.startswith(generated) and (ended_with_eot or tail.startswith(eot)):
-            rec.closing = tail  # e.g. "\n" after <|im_end|>, or "<|im_end|>\n" after a stop string
-            return
+            return tail, ""  # e.g. "\n" after <|im_end|>, or "<|im_end|>\n" after a stop string
         # The template does not write the turn as generated: keep the model's tokens, close the turn
         # the way the template closes one, and say so.
         after_eot = turn.rsplit(eot, 1)[1] if eot in turn else ""
-        rec.closing = after_eot if ended_with_eot else eot + after_eot
         at = _first_difference(generated, turn)
-        rec.drift.append(
-            f"turn {rec.turns}: the template renders the assistant turn as {turn[at : at + 40]!r} where the "
-            f"model generated {generated[at : at + 40]!r} (character {at}); the generated tokens are kept"
+        return after_eot if ended_with_eot else eot + after_eot, (
+            f"turn {turn_number}: the template renders the assistant turn as {turn[at : at + 40]!r} where "
+            f"the model generated {generated[at : at + 40]!r} (character {at}); the generated tokens are kept"
         )
 
     def _response(
-        self, rec: Recording, message: dict, finish: str, generated: int, added: int, request: dict
+        self, rec: Recording, message: dict, finish: str, generated: int, added: int, req: ChatRequest
     ) -> dict:
         reason = (
             "tool_calls" if message.get("tool_calls") else finish if finish in ("stop", "length") else "stop"
         )
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": unguessable_id("chatcmpl-"),
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": request.get("model") or "tirl",
+            "model": req.model or "tirl",
             "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
             "usage": {
                 "prompt_tokens": len(rec.ids) - generated,
@@ -348,27 +546,53 @@ class ChatRecorder:
         try:
             return self._recordings[trajectory_id]
         except KeyError:
-            raise ChatError(404, f"no trajectory {trajectory_id!r}") from None
+            why = self._gone.get(trajectory_id)
+            raise ChatError(404, f"no trajectory {trajectory_id!r}" + (f" ({why})" if why else "")) from None
 
     async def finish(self, trajectory_id: str, problem_id: str = "", sample_index: int = 0) -> Trajectory:
         """End a trajectory: release its engine, hand back its tirl Trajectory (reward still 0)."""
         rec = self.recording(trajectory_id)
-        del self._recordings[trajectory_id]
-        await rec.stack.aclose()
+        if rec.lock.locked():
+            raise ChatError(409, f"trajectory {trajectory_id!r} has a request in flight: finish it after")
+        await self._drop(trajectory_id, "finished")
         return to_trajectory(
             rec, self.tokenizer, problem_id or trajectory_id, sample_index, self.max_response_tokens
         )
 
+    async def _drop(self, trajectory_id: str, why: str) -> None:
+        """Forget a trajectory and give its engine lease back."""
+        rec = self._recordings.pop(trajectory_id, None)
+        self._gone[trajectory_id] = why
+        while len(self._gone) > 4096:
+            self._gone.popitem(last=False)
+        if rec is not None:
+            await rec.stack.aclose()
+
+    async def expire_idle(self, now: float | None = None) -> list[str]:
+        """Drop the trajectories (and unused issued ids) idle for longer than idle_timeout_s; their ids."""
+        if self.idle_timeout_s is None:
+            return []
+        now = time.monotonic() if now is None else now
+        cutoff = now - self.idle_timeout_s
+        with self._issued_lock:
+            for tid in [t for t, at in self._issued.items() if at < cutoff]:
+                del self._issued[tid]
+        idle = [t for t, r in self._recordings.items() if not r.lock.locked() and r.last_used < cutoff]
+        for tid in idle:
+            await self._drop(tid, f"dropped after {self.idle_timeout_s:g} s without a request")
+        return idle
+
+    async def reap_forever(self) -> None:
+        """expire_idle, a few times per idle_timeout_s, until cancelled."""
+        if self.idle_timeout_s is None:
+            return
+        while True:
+            await asyncio.sleep(min(self.idle_timeout_s / 4, 30.0))
+            await self.expire_idle()
+
     async def close(self) -> None:
         for tid in list(self._recordings):
-            await self.finish(tid)
-
-
-def _check_supported(request: dict) -> None:
-    if request.get("stream"):
-        raise ChatError(400, "stream=true is not supported: the recorder answers whole turns")
-    if int(request.get("n") or 1) != 1:
-        raise ChatError(400, "n must be 1: one trajectory is one sequence of turns")
+            await self._drop(tid, "the endpoint closed")
 
 
 def to_trajectory(rec: Recording, tokenizer, problem_id: str, sample_index: int, budget: int) -> Trajectory:
@@ -422,22 +646,47 @@ def _looks_failed(output: str) -> bool:
 # ---- HTTP -----------------------------------------------------------------------------------------------
 
 
-def create_app(recorder: ChatRecorder) -> FastAPI:
+def create_app(recorder: ChatRecorder, policy: GuardPolicy | None = None) -> FastAPI:
     """The FastAPI app: /t/{tid}/v1/chat/completions (or /v1/chat/completions with X-Trajectory-Id),
-    /t/{tid}/finish (the trajectory as JSON), /t/{tid}/v1/models, /health."""
-    app = FastAPI(title="tirl OpenAI-compatible endpoint")
+    /t/{tid}/finish (the trajectory as JSON), /t/{tid}/v1/models, /health; behind tirl's HTTP guard
+    (`policy`: loopback names only, no token, 4 MiB bodies by default)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        reaper = asyncio.create_task(recorder.reap_forever())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with suppress(asyncio.CancelledError):
+                await reaper
+
+    app = FastAPI(
+        title="tirl OpenAI-compatible endpoint",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
 
     async def answer(tid: str | None, request: Request) -> JSONResponse:
         if not tid:
             return _error(400, "name the trajectory: base URL /t/<id>/v1 or header X-Trajectory-Id")
+        if not recorder.known(tid):
+            return _unknown(recorder, tid)
         try:
-            body = await request.json()
-            group = request.headers.get("x-tirl-group")
-            return JSONResponse(await recorder.complete(tid, body, group=group))
+            body = json.loads(await request.body(), parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:
+            return _error(400, f"the body is not JSON: {e}")
+        work = asyncio.ensure_future(recorder.complete(tid, body, group=request.headers.get("x-tirl-group")))
+        try:
+            if not await _finished_before_disconnect(work, request):
+                return _error(499, "the client disconnected: the request was cancelled and undone")
+            return JSONResponse(work.result())
         except ChatError as e:
             return _error(e.status, str(e))
-        except ValueError as e:  # e.g. a prompt longer than the engine's context
-            return _error(400, str(e))
+        except (ValueError, TemplateError) as e:  # a prompt longer than the engine's context, a template
+            return _error(400, str(e))  # that cannot render these messages
 
     @app.post("/t/{tid}/v1/chat/completions")
     async def chat_by_path(tid: str, request: Request) -> JSONResponse:
@@ -449,6 +698,8 @@ def create_app(recorder: ChatRecorder) -> FastAPI:
 
     @app.post("/t/{tid}/finish")
     async def finish(tid: str, problem_id: str = "", sample_index: int = 0) -> JSONResponse:
+        if not recorder.known(tid):
+            return _unknown(recorder, tid)
         try:
             traj = await recorder.finish(tid, problem_id, sample_index)
         except ChatError as e:
@@ -464,12 +715,55 @@ def create_app(recorder: ChatRecorder) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok", "trajectories": len(recorder._recordings)}
 
+    app.add_middleware(HTTPGuard, policy=policy or GuardPolicy(), render=_refusal_body)
     return app
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _unknown(recorder: ChatRecorder, tid: str) -> JSONResponse:
+    why = recorder._gone.get(tid)
+    return _error(
+        404,
+        f"no trajectory {tid!r}"
+        + (
+            f" ({why})"
+            if why
+            else ": ids are issued by the endpoint (OpenAIEndpoint.base_url or trajectory_id)"
+        ),
+    )
+
+
+async def _finished_before_disconnect(work: asyncio.Future, request: Request) -> bool:
+    """Wait for `work`; if the client disconnects first, cancel it (the recorder undoes the request,
+    or drops a trajectory whose first request it was, lease included) and say so."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with suppress(asyncio.CancelledError):
+                await work
+    return not work.cancelled()
 
 
 def _error(status: int, message: str) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _refusal_body(refusal: Refusal) -> dict:
+    """The guard's refusals in the OpenAI error shape, like the endpoint's own errors."""
+    return {"error": {"message": refusal.message, "type": "invalid_request_error", "code": refusal.status}}
 
 
 # An agent's connection idles while its tools run. Whichever side closes an idle connection first races
@@ -481,9 +775,23 @@ KEEP_ALIVE_S = 75
 
 class OpenAIEndpoint:
     """The app served by uvicorn on its own thread and event loop (the recorder and its engine leases
-    live on that loop); `finish` is callable from any thread."""
+    live on that loop); `base_url`, `trajectory_id` and `finish` are callable from any thread.
 
-    def __init__(self, recorder: ChatRecorder, host: str = "127.0.0.1", port: int = 0):
+    The HTTP guard (docs/security.md): Host names beyond loopback and `host` must be listed in
+    `allowed_hosts`; with a `token`, every request but /health needs `Authorization: Bearer <token>`
+    (an OpenAI client sends its api_key so: `AsyncOpenAI(base_url=..., api_key=token)`); bodies are
+    limited to `max_body_bytes`."""
+
+    def __init__(
+        self,
+        recorder: ChatRecorder,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+        allowed_hosts: tuple[str, ...] | list[str] = (),
+        max_body_bytes: int = 4 << 20,
+    ):
         import socket
 
         import uvicorn
@@ -494,8 +802,15 @@ class OpenAIEndpoint:
                 port = s.getsockname()[1]
         self.recorder = recorder
         self.url = f"http://{host}:{port}"
+        self._names: dict[str, str] = {}  # trajectory name -> the id issued for it
+        self._names_lock = threading.Lock()
+        policy = GuardPolicy.for_server(host, allowed_hosts, token, max_body_bytes)
         config = uvicorn.Config(
-            create_app(recorder), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
+            create_app(recorder, policy),
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         self._server = uvicorn.Server(config)
         self._loop = asyncio.new_event_loop()
@@ -511,12 +826,29 @@ class OpenAIEndpoint:
         asyncio.set_event_loop(self._loop)
         self._loop.run_until_complete(self._server.serve())
 
-    def base_url(self, trajectory_id: str) -> str:
-        """What an OpenAI client takes as base_url for one trajectory."""
-        return f"{self.url}/t/{trajectory_id}/v1"
+    def trajectory_id(self, name: str = "") -> str:
+        """The unguessable id of the trajectory called `name` (issued on first use; a new one each call
+        when no name is given): for the header X-Trajectory-Id, or `finish`."""
+        if not name:
+            return self.recorder.issue()
+        with self._names_lock:
+            if name not in self._names:
+                self._names[name] = self.recorder.issue(name)
+            return self._names[name]
 
-    def finish(self, trajectory_id: str, problem_id: str = "", sample_index: int = 0) -> Trajectory:
-        coro = self.recorder.finish(trajectory_id, problem_id, sample_index)
+    def base_url(self, trajectory: str = "") -> str:
+        """What an OpenAI client takes as base_url for one trajectory: an id from `trajectory_id`, or
+        a name (its id issued on first use). The URL holds the unguessable id, never the bare name."""
+        tid = trajectory if self.recorder.known(trajectory) else self.trajectory_id(trajectory)
+        return f"{self.url}/t/{tid}/v1"
+
+    def finish(self, trajectory: str, problem_id: str = "", sample_index: int = 0) -> Trajectory:
+        """End a trajectory (by name or id) and hand back its tirl Trajectory; a name is its default
+        problem id."""
+        with self._names_lock:
+            tid = self._names.pop(trajectory, trajectory)
+        name = trajectory if tid != trajectory else ""
+        coro = self.recorder.finish(tid, problem_id or name, sample_index)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
