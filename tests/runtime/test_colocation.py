@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 from tirl.engines.base import KVCapacity, SingleEnginePool, StagedWake
-from tirl.rl.trainer import TrainerState, rl_step
+from tirl.rl.trainer import Run, TrainerState, rl_step
 from tirl.runtime.base import Runtime
 
 DELAY = 0.3  # seconds each fake engine takes to sleep or wake
@@ -67,6 +67,8 @@ class FakeVLLMEngine:
 
 
 class FakeLearner:
+    sends = "full"
+
     def __init__(self, log: Log):
         self.log = log
 
@@ -119,20 +121,7 @@ async def test_rl_step_hands_memory_over_in_order():
         algorithm=SimpleNamespace(async_=False), cluster=SimpleNamespace(colocated=True), run_dir=None
     )
     info = SimpleNamespace(is_main=False, enabled=False)  # the update/sync half of the step
-    run = SimpleNamespace(
-        cfg=cfg,
-        info=info,
-        learner=FakeLearner(log),
-        runtime=_runtime(log, 2),
-        versions=None,
-        state=TrainerState(),
-        blocking=None,
-    )
-
-    async def blocking(fn, *args):
-        return fn(*args)
-
-    run.blocking = blocking
+    run = Run(cfg, info, FakeLearner(log), _runtime(log, 2), TrainerState(), logger=None, alerts=None)
     metrics = await rl_step(run, producer=None)
     assert metrics["colocate/engines_asleep"] == 2
     assert log.order() == [

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,12 @@ class Lazy:
 
 Source = torch.Tensor | Lazy
 
+# What a learner's sync carries: every weight, or only the LoRA-adapted layers merged (W + s B A) with
+# their fused partners, the rest of the engine's weights staying as they are (tirl.rl.lora).
+SyncKind = Literal["full", "lora-merged"]
+FULL_SYNC: SyncKind = "full"
+LORA_SYNC: SyncKind = "lora-merged"
+
 
 def plan_entries(
     model: torch.nn.Module, dtype: torch.dtype | None = None, tensors: dict[str, Source] | None = None
@@ -180,11 +186,15 @@ def broadcast_pickled(pg: dist.ProcessGroup, obj: object | None, device: torch.d
     return pickle.loads(buf.cpu().numpy().tobytes())
 
 
-def _full(param: Source) -> torch.Tensor:
-    """The whole parameter (an all-gather over the FSDP ranks when it is a DTensor shard)."""
+def gathered(param: Source) -> torch.Tensor:
+    """The whole parameter (an all-gather over the FSDP ranks when it is a DTensor shard; a collective:
+    every rank calls it, in the same order)."""
     if isinstance(param, Lazy):
         return param.make()
     return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+_full = gathered  # its earlier name, which tests/runtime/test_weight_sync_mutants.py imports
 
 
 def _pack(buf: torch.Tensor | None, bucket: list[Entry], params: dict[str, Source]) -> None:
@@ -192,7 +202,7 @@ def _pack(buf: torch.Tensor | None, bucket: list[Entry], params: dict[str, Sourc
     FSDP rank runs the gathers (collectives) even where only rank 0 has a buffer."""
     offset = 0
     for e in bucket:
-        full = _full(params[e.name]).detach()
+        full = gathered(params[e.name]).detach()
         if buf is not None:
             buf[offset : offset + e.nbytes].view(wire_dtype(e.dtype)).view(full.shape).copy_(full)
         offset += e.slot

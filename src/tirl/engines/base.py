@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -57,16 +57,34 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
+# What an engine can do beyond the Engine protocol, declared by its class (`class VLLMEngine(StagedWake,
+# GroupReceiver)`) and asked with isinstance, never probed method by method.
+
+
 @runtime_checkable
 class StagedWake(Protocol):
     """An engine that wakes in two steps around a weight sync (vLLM sleep mode): weights first (the
-    sync writes into them), the KV cache after the trainer released its memory."""
+    sync writes into them), the KV cache after the trainer released its memory. `discard_weights`:
+    keep no copy of the weights (a sync rewrites them all before the next generation)."""
 
     def sleep(self, discard_weights: bool = False) -> bool: ...
 
     def wake_weights(self) -> None: ...
 
     def wake_up(self) -> None: ...
+
+
+@runtime_checkable
+class GroupReceiver(Protocol):
+    """An engine whose own worker process joins a sync group and loads what arrives (vLLM with a
+    receiving worker extension): the buckets land where the weights live, not in the caller first.
+    Other engines receive in their caller's process and `load_weights` (tirl.distributed.weight_sync)."""
+
+    def join_sync_group(self, group: dict[str, Any], rank: int) -> None: ...
+
+    def receive_sync(self) -> int: ...
+
+    def leave_sync_group(self) -> None: ...
 
 
 class EnginePool(Protocol):

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from tirl.devices import resolve_dtype, wire_dtype
-from tirl.engines.base import Generation, KVCapacity, SamplingParams
+from tirl.engines.base import Generation, GroupReceiver, KVCapacity, SamplingParams, StagedWake
 from tirl.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -252,8 +252,9 @@ def engine_args(cfg: EngineConfig, on_cpu: bool, sleep: bool, worker_extension: 
     )
 
 
-class VLLMEngine:
-    """Engine protocol (tirl.engines.base) on vLLM: prefix caching, stop ids/strings, seeded sampling."""
+class VLLMEngine(StagedWake, GroupReceiver):
+    """Engine protocol (tirl.engines.base) on vLLM: prefix caching, stop ids/strings, seeded sampling;
+    sleeps in two stages and receives a sync group's buckets inside its worker."""
 
     def __init__(self, cfg: EngineConfig, name: str = "vllm0", worker_extension: str | None = None):
         """`worker_extension`: a WeightSyncExtension subclass's qualified name (e.g. the Ray runtime's,

@@ -5,6 +5,9 @@ opens one (`open_learner`), so the trainer names no backend.
 `RayLearner` (tirl.rl.ray_learner) drives one trainer worker actor per rank, each holding a
 `LocalLearner` of its own in a torch.distributed group; the driver keeps running `rl_step` top to
 bottom and calls them for log-probs, updates, sync and checkpoints.
+
+Colocated, a learner is the trainer side of tirl.runtime.colocation.Colocation, which decides when
+its state moves (`offload`, `onload`) and how the engines sleep from what its sync carries (`sends`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tirl.distributed.groups import DistInfo
+    from tirl.distributed.weight_sync import SyncKind
     from tirl.rl.config import AlgorithmConfig, TrainConfig
     from tirl.rl.policy import TrainSample
     from tirl.runtime.base import Runtime
@@ -25,12 +29,23 @@ if TYPE_CHECKING:
 
 
 class Learner(Protocol):
+    sends: SyncKind  # what each sync carries: every weight, or the LoRA-merged adapted layers
+
     def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
         """Old log-probs, GRPO updates (one per mini-batch), the LR schedule's step; the metrics."""
         ...
 
     def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
         """The engines of `runtime` sample from the updated policy from now on."""
+        ...
+
+    def offload(self, what: str = "all") -> bool:
+        """The optimizer state ("optimizer"), the parameters ("params") or both ("all") off the
+        devices, their memory handed back (colocated engines use it); False where nothing was freed."""
+        ...
+
+    def onload(self) -> bool:
+        """Parameters and optimizer state back on the devices (no-op where resident)."""
         ...
 
     def reset_optimizer(self, total_steps: int) -> None: ...

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.distributed.groups import DistInfo, full_model_state
+from tirl.distributed.groups import DistInfo
+from tirl.distributed.weight_sync import FULL_SYNC, LORA_SYNC, Source, SyncKind, gathered
 from tirl.rl.lora import merged_tensors
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.update import grpo_update
@@ -25,7 +26,7 @@ class LocalLearner:
 
     def __init__(self, policy: Policy):
         self.policy = policy
-        self.sync_names = {n for n, _ in policy.model.named_parameters()}  # a tied head travels once
+        self.sends: SyncKind = LORA_SYNC if policy.lora else FULL_SYNC
 
     @property
     def info(self) -> DistInfo:
@@ -36,20 +37,24 @@ class LocalLearner:
         self.policy.advance_schedule()
         return metrics | {"train/lr": self.policy.lr}
 
-    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
-        if self.policy.lora:
-            return self._sync_merged(runtime)
-        state = full_model_state(self.policy.model, self.info)  # a collective under FSDP
-        if runtime is not None:
-            runtime.load_weights((k, v) for k, v in state.items() if k in self.sync_names)
-        return {}
+    def sync_tensors(self) -> dict[str, Source]:
+        """What a sync carries (`sends`, decided once), each tensor made when it is sent: every parameter
+        (a tied head once), or with LoRA the merged weights of the adapted layers under the base names
+        (W + s B A; tirl.rl.lora.merged_tensors), the rest of the base never changing."""
+        if self.sends == LORA_SYNC:
+            return dict(merged_tensors(self.policy.model))
+        return dict(self.policy.model.named_parameters())
 
-    def _sync_merged(self, runtime: Runtime | None) -> dict[str, float]:
-        """LoRA: the engines get the merged weights of the layers the adapters touch (W + s B A under
-        the base names; tirl.rl.lora.merged_tensors), nothing else: the rest of the base never changes."""
+    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
+        """In-process engines (runtime.transport "load"): every rank gathers each tensor (a collective
+        under FSDP), rank 0 hands them over in one load."""
+        if runtime is not None and runtime.transport != "load":
+            raise ValueError(
+                f"a local learner loads weights into in-process engines, not over {runtime.transport!r}"
+            )
         pairs, nbytes = [], 0
-        for name, lazy in merged_tensors(self.policy.model):
-            tensor = lazy.make()  # an all-gather under FSDP: every rank makes every tensor
+        for name, source in self.sync_tensors().items():
+            tensor = gathered(source).detach()
             if runtime is not None:
                 pairs.append((name, tensor.cpu()))
                 nbytes += tensor.numel() * tensor.element_size()

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port, send_weights
-from tirl.rl.lora import merged_tensors
+from tirl.distributed.weight_sync import SyncChannel, SyncGroup, SyncKind, free_port, send_weights
 from tirl.runtime.base import Runtime
 from tirl.runtime.ray import RemoteEngine
 from tirl.runtime.ray_cluster import ClusterError, Placement, connect, node_ip, whereabouts
@@ -70,24 +69,27 @@ class TrainerWorker:
             channel.close()
             self.channel = None
 
+    def sends(self) -> str:
+        return self.learner.sends
+
     def send_weights(self, bucket_bytes: int, dtype: str | None) -> dict[str, float]:
-        """Every rank (the FSDP gathers are collectives); rank 0 sends through its channel."""
+        """Every rank (the FSDP gathers are collectives); rank 0 sends through its channel. What
+        travels is the learner's to say (every weight, or LoRA's merged layers: LocalLearner.sync_tensors)."""
         channel = getattr(self, "channel", None)
         pg = channel.pg if channel is not None else None
         on_gpu = channel is not None and channel.group.backend == "nccl"
         device = self.learner.policy.device if on_gpu else torch.device("cpu")
         wire = getattr(torch, dtype.removeprefix("torch.")) if dtype else None
-        policy = self.learner.policy
-        # LoRA: the merged weights of the adapted layers only (tirl.rl.lora), under the base names
-        tensors = dict(merged_tensors(policy.model)) if policy.lora else None
-        return send_weights(policy.model, pg, bucket_bytes, device, wire, tensors=tensors)
+        tensors = self.learner.sync_tensors()
+        return send_weights(self.learner.policy.model, pg, bucket_bytes, device, wire, tensors=tensors)
 
 
 class RayLearner:
     """The Learner interface on one TrainerWorker per rank; every call goes to all ranks at once."""
 
-    def __init__(self, workers: list, bucket_bytes: int, backend: str):
+    def __init__(self, workers: list, bucket_bytes: int, backend: str, sends: SyncKind):
         self.workers, self.bucket_bytes, self.backend = workers, bucket_bytes, backend
+        self.sends = sends  # what every sync carries, as the workers' learners decided it
         self._group_key: list[str] | None = None  # the engines in the current sync group
 
     def _all(self, method: str, *args: Any) -> list[Any]:
@@ -103,17 +105,16 @@ class RayLearner:
 
         if runtime is None:
             return {}
-        engines = [e for e in runtime.engines if isinstance(e, RemoteEngine)]
-        if len(engines) != len(runtime.engines):
+        if runtime.fleet is None:
             raise ClusterError("backend=ray trains on Ray workers and needs engines from the ray runtime")
-        members = engines[0].fleet.sync_targets()
+        members = runtime.fleet.sync_targets()
         formed = self._ensure_group(members)
         dtype = members[0].dtype if members else None
         sends = [w.send_weights.remote(self.bucket_bytes, dtype) for w in self.workers]
         receives = [e.actor.receive_sync.remote() for e in members]
         stats = ray.get(sends)[0]
         ray.get(receives)
-        engines[0].fleet.synced(members)
+        runtime.fleet.synced(members)
         return stats | {"sync/engines": float(len(members)), "sync/group_formed": float(formed)}
 
     def _ensure_group(self, members: list[RemoteEngine]) -> bool:
@@ -193,7 +194,8 @@ async def open_ray_learner(
         # NCCL refuses a group with two members on one GPU, which colocated rank 0 and engine 0 are:
         # colocated, the sync is staged through host memory over gloo (CUDA IPC would be the fast path).
         backend = "nccl" if cfg.cluster.trainer.num_gpus > 0 and not cfg.cluster.colocate else "gloo"
-        learner = RayLearner(workers, int(cfg.cluster.weight_sync_bucket_mb * 2**20), backend)
+        sends = await workers[0].sends.remote()
+        learner = RayLearner(workers, int(cfg.cluster.weight_sync_bucket_mb * 2**20), backend, sends)
         if cfg.cluster.colocated and not cfg.algorithm.async_:
             # The engines start next on the same GPUs and size their KV cache by the free memory;
             # the trainer's state comes back at the first update (rl_step).

@@ -62,6 +62,7 @@ from tirl.rl.policy import TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler
 from tirl.runtime import Runtime, open_cluster_placement, open_runtime
+from tirl.runtime.colocation import Colocation
 from tirl.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -148,6 +149,12 @@ class Run:
     alerts: AlertMonitor
     versions: WeightVersions | None = None  # the engines' policy version and sync gate (rank 0 only)
     reward_stats: dict = field(default_factory=dict)  # the reward pool's counters at the last step's end
+    lending: Colocation = field(init=False)  # engines and trainer taking turns on shared devices
+
+    def __post_init__(self) -> None:
+        # async engines keep generating through the update: they lend nothing
+        shared = self.cfg.cluster.colocated and not self.cfg.algorithm.async_
+        self.lending = Colocation(self.runtime, self.learner, self.info, shared)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking learner call; in async mode off the event loop, so rollouts go on meanwhile."""
@@ -183,14 +190,15 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
     Steps 1-4 stream inside `producer` (tirl.rl.async_rollout): prompts are drawn and rolled out as
     there is room, each trajectory is scored as it ends and each group goes through RoC as its last
     member ends; with `algorithm.async` it keeps generating the next steps' groups during 6 and 7.
+    Colocated, the engines lend their devices to the trainer for 6 and get them back around 7
+    (`run.lending`, tirl.runtime.colocation: the one safe order, with its barriers).
     """
-    cfg, alg, info, step = run.cfg, run.cfg.algorithm, run.info, run.state.step
+    alg, step, lending = run.cfg.algorithm, run.state.step, run.lending
     timer = Timer()
     start, engines_before = time.perf_counter(), run.versions.snapshot() if run.versions else None
     metrics: dict = {"stage": run.state.stage}
     samples: list[TrainSample] | None = None
-    if info.is_main:
-        rt = run.runtime
+    if run.info.is_main:
         # 1-4. the step's P complete groups: sampled prompts (deterministic in (seed, stage, epoch,
         # position)), 2G rollouts each on the engine pool with tool calls in the sandbox as each turn
         # ends, binary answer-only rewards (math-verify in worker processes) as each trajectory ends,
@@ -198,71 +206,60 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
         # infrastructure error ended). Groups more than k versions stale are dropped and re-queued.
         with timer("rollout"):  # the trainer waits for the groups (its idle time)
             batch = await producer.take(step)
-        metrics["batch"] = [p.id for p in batch.problems]
-        groups, kept = batch.groups, batch.kept
-        metrics |= rt.engine_metrics()  # the scheduler's per-engine window of this step
-        reward_now = rt.scorer.stats.as_dict()
-        metrics |= reward_metrics(run.reward_stats, reward_now) | batch.metrics
-        run.reward_stats = reward_now
         # 5. group-relative advantages on the kept members
-        samples = build_samples(groups, kept, alg.advantage)
-        metrics |= rollout_metrics(groups, kept, alg.no_tool_p_err)  # on ALL trajectories
-        if cfg.logging.trajectories_per_step:  # a bounded sample, with RoC's view of it, for `tirl view`
-            trajectory_sample.append(
-                cfg.run_dir,
-                trajectory_sample.step_sample(
-                    step + 1,
-                    run.state.stage,
-                    batch.problems,
-                    groups,
-                    kept,
-                    cfg.logging.trajectories_per_step,
-                    cfg.seed,
-                    alg.advantage,
-                    alg.no_tool_p_err,
-                ),
-            )
+        samples = build_samples(batch.groups, batch.kept, alg.advantage)
+        metrics |= _rollout_report(run, batch)
     # 6. update: every rank trains on its share of the kept samples
-    samples = broadcast_object(samples, info)
-    # Colocated (engines sharing the trainer's devices; async ones keep generating): engines sleep all
-    # at once, discarding weights the sync rewrites; the trainer's state comes back for the update,
-    # its optimizer leaves before the engines' weights return, its parameters after the sync, and only
-    # then the engines' KV cache (tirl.runtime.base.Runtime.sleep/wake_weights/wake_up).
-    colocated = cfg.cluster.colocated and not alg.async_
-    engines = run.runtime if colocated else None  # None on the ranks without a runtime
-    if engines is not None:
-        metrics["colocate/engines_asleep"] = engines.sleep(discard_weights=True)
-    if colocated:
-        _trainer_memory(run, "onload")
+    samples = broadcast_object(samples, run.info)
+    metrics |= lending.to_trainer()
     with timer("train"):
         metrics |= await run.blocking(run.learner.update, samples, alg)
     fault_point("update", step + 1)
-    if colocated:
-        _trainer_memory(run, "offload", "optimizer")
-    if engines is not None:
-        engines.wake_weights()
+    lending.to_sync()
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
     # 7. weight sync: the engines sample from the updated policy from the next turn on
     with timer("sync"):
-        if run.versions is None:
-            metrics |= run.learner.sync_weights(run.runtime)
-        else:  # turns in flight go on under the new weights (partial rollouts; tirl.engines.versions)
-            async with run.versions.syncing(step + 1):
-                metrics |= await run.blocking(run.learner.sync_weights, run.runtime)
-            producer.synced(step + 1)
-    if colocated:
-        _trainer_memory(run, "offload", "params")
-    if engines is not None:
-        engines.wake_up()
+        metrics |= await _sync(run, producer, step + 1)
+    lending.to_engines()
     metrics |= _overlap_metrics(run, timer, time.perf_counter() - start, engines_before)
     return metrics | timer.metrics()
 
 
-def _trainer_memory(run: Run, method: str, *args: str) -> None:
-    """The learner's offload/onload where it has them (tirl.rl.local_learner, tirl.rl.ray_learner)."""
-    call = getattr(run.learner, method, None)
-    if call is not None:
-        call(*args)
+def _rollout_report(run: Run, batch) -> dict:
+    """The rollout half's metrics (engines, rewards, RoC on ALL trajectories), and a bounded sample of
+    trajectories with RoC's view of them for `tirl view`."""
+    cfg, alg, rt = run.cfg, run.cfg.algorithm, run.runtime
+    metrics = {"batch": [p.id for p in batch.problems]}
+    metrics |= rt.engine_metrics()  # the scheduler's per-engine window of this step
+    reward_now = rt.scorer.stats.as_dict()
+    metrics |= reward_metrics(run.reward_stats, reward_now) | batch.metrics
+    run.reward_stats = reward_now
+    metrics |= rollout_metrics(batch.groups, batch.kept, alg.no_tool_p_err)
+    if cfg.logging.trajectories_per_step:
+        sample = trajectory_sample.step_sample(
+            run.state.step + 1,
+            run.state.stage,
+            batch.problems,
+            batch.groups,
+            batch.kept,
+            cfg.logging.trajectories_per_step,
+            cfg.seed,
+            alg.advantage,
+            alg.no_tool_p_err,
+        )
+        trajectory_sample.append(cfg.run_dir, sample)
+    return metrics
+
+
+async def _sync(run: Run, producer: GroupProducer | None, version: int) -> dict:
+    """The updated weights into the engines (every rank takes part in the gathers). With the runtime,
+    turns in flight go on under the new weights (partial rollouts; tirl.engines.versions)."""
+    if run.versions is None:
+        return run.learner.sync_weights(run.runtime)
+    async with run.versions.syncing(version):
+        metrics = await run.blocking(run.learner.sync_weights, run.runtime)
+    producer.synced(version)
+    return metrics
 
 
 def _overlap_metrics(run: Run, timer: Timer, wall_s: float, before: EngineActivity | None) -> dict:
@@ -292,7 +289,8 @@ def checkpoint(run: Run, sampler: EpochSampler, producer: GroupProducer | None) 
         "producer": producer.state_dict() if producer is not None else None,
     }
     tokenizer = run.runtime.tokenizer if run.runtime else None
-    run.learner.save(run.cfg.run_dir, st.step, tokenizer, trainer_state, run.cfg.checkpoint.keep_last)
+    with run.lending.trainer_resident():  # FSDP2 gathers its shards where it sharded them
+        run.learner.save(run.cfg.run_dir, st.step, tokenizer, trainer_state, run.cfg.checkpoint.keep_last)
 
 
 def run_training(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path:

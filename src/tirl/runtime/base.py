@@ -35,6 +35,15 @@ if TYPE_CHECKING:
     from tirl.reward import RewardStats
 
 
+class SyncFleet(Protocol):
+    """Engines in processes of their own that a sync reaches over a process group with trainer rank 0
+    (tirl.runtime.ray.EngineFleet): who takes part in the next sync, and who came back by it."""
+
+    def sync_targets(self) -> list[Any]: ...
+
+    def synced(self, members: list[Any]) -> None: ...
+
+
 class Scorer(Protocol):
     """Binary answer-only reward (tirl.reward.RewardPool, or a proxy to one on another node)."""
 
@@ -54,6 +63,14 @@ class Runtime:
     tokenizer: PreTrainedTokenizerBase
     backend: str = "local"
     counters: dict[str, int] = field(default_factory=dict)  # infrastructure events (engine restarts, ...)
+    fleet: SyncFleet | None = None  # engines reached over a sync group (ray); None: they load in this process
+
+    @property
+    def transport(self) -> str:
+        """How a weight sync reaches these engines: "load", (name, tensor) pairs into `load_weights`
+        (in-process engines, remote servers); "group", buckets over a process group of trainer rank 0
+        and the engines' workers (tirl.distributed.weight_sync; the ray runtime's `fleet`)."""
+        return "load" if self.fleet is None else "group"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The same (name, tensor) pairs into every engine, all at once (each engine's load is a

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tirl.distributed.weight_sync import SyncChannel, SyncGroup, WorkerReceiver, free_port, receive_into
-from tirl.engines.base import Generation, KVCapacity, SamplingParams
+from tirl.engines.base import Generation, GroupReceiver, KVCapacity, SamplingParams, StagedWake
 from tirl.engines.vllm import WeightSyncExtension
 from tirl.runtime.base import Runtime
 from tirl.runtime.config import ClusterConfig
@@ -105,14 +105,14 @@ class EngineWorker:
     async def join_sync(self, group: SyncGroup, rank: int) -> None:
         """Join the persistent sync group: inside the vLLM worker, or here for an in-process engine."""
         await self.leave_sync()
-        if hasattr(self.engine, "join_sync_group"):
+        if isinstance(self.engine, GroupReceiver):
             await asyncio.to_thread(self.engine.join_sync_group, group.as_dict(), rank)
         else:
             self.channel = await asyncio.to_thread(SyncChannel, group, rank)
 
     async def receive_sync(self) -> int:
         """One sync, loaded whole (one reload): generation never sees a half-updated model."""
-        if hasattr(self.engine, "receive_sync"):
+        if isinstance(self.engine, GroupReceiver):
             return await asyncio.to_thread(self.engine.receive_sync)
         if self.channel is None or self.channel.pg is None:
             raise RuntimeError("receive_sync before join_sync")
@@ -120,19 +120,19 @@ class EngineWorker:
         return await asyncio.to_thread(receive_into, self.channel.pg, self.engine.load_weights, device)
 
     async def leave_sync(self) -> None:
-        if hasattr(self.engine, "leave_sync_group"):
+        if isinstance(self.engine, GroupReceiver):
             await asyncio.to_thread(self.engine.leave_sync_group)
         if self.channel is not None:
             self.channel.close()
             self.channel = None
 
     async def sleep(self, discard_weights: bool = False) -> bool:
-        if hasattr(self.engine, "wake_weights"):
+        if isinstance(self.engine, StagedWake):
             return await asyncio.to_thread(self.engine.sleep, discard_weights)
         return await asyncio.to_thread(self.engine.sleep)
 
     async def wake_weights(self) -> None:
-        if hasattr(self.engine, "wake_weights"):
+        if isinstance(self.engine, StagedWake):
             await asyncio.to_thread(self.engine.wake_weights)
 
     async def wake_up(self) -> None:
@@ -494,7 +494,8 @@ async def open_ray_runtime(
                 await actor.start.remote(reward)
                 scorer = RemoteScorer(actor)
             engines = list(fleet.engines)
-            yield Runtime(engines, build_pool(engines, engine), executor, scorer, tokenizer, "ray", counters)
+            pool = build_pool(engines, engine)
+            yield Runtime(engines, pool, executor, scorer, tokenizer, "ray", counters, fleet=fleet)
         finally:
             await asyncio.gather(*(e.close() for e in fleet.engines), return_exceptions=True)
             for e in fleet.engines:
