@@ -17,17 +17,25 @@ safetensors file there ONCE per sync (not once per server) and every server relo
 place (vLLM: `reload_weights` through /collective_rpc, which needs VLLM_SERVER_DEV_MODE=1 on the
 server; SGLang: /update_weights_from_disk), then drops its prefix cache (KV computed with the old
 weights). `load_weights_from_path` reloads a checkpoint directory the trainer already wrote.
+
+A server's reply is checked at this boundary (`check_generation`): token ids are integers inside the
+model's vocabulary, no more tokens than were asked for, one log-prob per token, each finite and <= 0.
+A reply that breaks one of these raises InvalidReplyError, naming the server and what was wrong,
+instead of failing deep inside training (a NaN log-prob would reach the importance weights).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import math
 import os
 import shutil
 import threading
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -56,6 +64,12 @@ class ServerError(RuntimeError):
 
 class NoLiveServerError(ServerError):
     """Every server is down: no turn can run."""
+
+
+class InvalidReplyError(ServerError):
+    """A server answered a generation with something that is not one (ids outside the vocabulary, more
+    tokens than asked for, log-probs that are not log-probabilities, a malformed body). Not retried on
+    another server: a server answering garbage is misconfigured, and the error says how."""
 
 
 @dataclass
@@ -136,17 +150,18 @@ class VLLMServerAPI:
         return body
 
     def parse_generation(self, body: dict) -> Generation:
-        choice = body["choices"][0]
-        token_ids = [int(t) for t in choice.get("token_ids") or []]
-        lp = choice.get("logprobs") or {}
-        spelled = [_token_id(t) for t in lp.get("tokens") or []]
-        if spelled != token_ids:
-            raise ServerError(
-                "the server's log-prob tokens do not match its token ids: serve a vLLM that supports "
-                "return_token_ids and return_tokens_as_token_ids"
-            )
-        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
-        reason = choice.get("finish_reason")
+        with _malformed("a vLLM /v1/completions answer"):
+            choice = body["choices"][0]
+            token_ids = _ids(choice.get("token_ids") or [])
+            lp = choice.get("logprobs") or {}
+            spelled = [_token_id(t) for t in lp.get("tokens") or []]
+            if spelled != token_ids:
+                raise ServerError(
+                    "the server's log-prob tokens do not match its token ids: serve a vLLM that supports "
+                    "return_token_ids and return_tokens_as_token_ids"
+                )
+            logprobs = _floats(lp.get("token_logprobs") or [])
+            reason = choice.get("finish_reason")
         return Generation(token_ids, logprobs, reason if reason in ("stop", "length") else "abort")
 
     async def describe(self, http: httpx.AsyncClient) -> tuple[str, int | None]:
@@ -192,11 +207,84 @@ def _dev_mode(what: str) -> str:
 def _token_id(spelled: str) -> int:
     """'token_id:123' -> 123 (vLLM's return_tokens_as_token_ids spelling)."""
     prefix = "token_id:"
-    if not spelled.startswith(prefix):
+    if not isinstance(spelled, str) or not spelled.startswith(prefix):
         raise ServerError(
             f"log-prob token {spelled!r} is not an id: the server ignored return_tokens_as_token_ids"
         )
     return int(spelled[len(prefix) :])
+
+
+# ---- a reply, checked at the boundary -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _malformed(what: str) -> Iterator[None]:
+    """A reply missing its fields, or with fields of the wrong type: one InvalidReplyError saying so."""
+    try:
+        yield
+    except InvalidReplyError:
+        raise
+    except ServerError as e:
+        raise InvalidReplyError(str(e)) from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise InvalidReplyError(f"{what} that is not one ({type(e).__name__}: {e})") from None
+
+
+def _ids(values: list) -> list[int]:
+    """Token ids as JSON integers (a float, a string or a bool is not an id)."""
+    if not isinstance(values, list):
+        raise TypeError(f"token ids must be a list, not {type(values).__name__}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"token id {v!r} is not an integer")
+    return list(values)
+
+
+def _floats(values: list) -> list[float]:
+    if not isinstance(values, list):
+        raise TypeError(f"log-probs must be a list, not {type(values).__name__}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise TypeError(f"log-prob {v!r} is not a number")
+    return [float(v) for v in values]
+
+
+def check_generation(gen: Generation, max_tokens: int, vocab_size: int | None, server: str) -> Generation:
+    """The reply as training may take it: ids in [0, vocab_size), at most max_tokens of them, one
+    finite log-prob <= 0 per token. Otherwise InvalidReplyError naming the first thing wrong."""
+    ids, lps = gen.token_ids, gen.logprobs
+    if len(ids) > max_tokens:
+        raise InvalidReplyError(
+            f"{server}: answered {len(ids)} tokens where at most {max_tokens} were asked for"
+        )
+    if len(lps) != len(ids):
+        raise InvalidReplyError(f"{server}: {len(ids)} tokens but {len(lps)} log-probs")
+    top = vocab_size if vocab_size is not None else math.inf
+    for i, t in enumerate(ids):
+        if not 0 <= t < top:
+            raise InvalidReplyError(
+                f"{server}: token {i} has id {t}, outside the model's vocabulary (0..{vocab_size - 1 if vocab_size else '?'}): "
+                "is the server serving the model of engine.model?"
+            )
+    for i, lp in enumerate(lps):
+        if not (math.isfinite(lp) and lp <= 0.0):
+            raise InvalidReplyError(
+                f"{server}: token {i} has log-prob {lp!r}: a log-probability is finite and <= 0 "
+                "(start vLLM with --logprobs-mode processed_logprobs)"
+            )
+    return gen
+
+
+def vocab_size(model_dir: str) -> int | None:
+    """The vocabulary of the local copy of the served model (config.json's vocab_size), if it says."""
+    config = Path(model_dir) / "config.json" if model_dir else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        size = json.loads(config.read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def parse_vllm_metrics(text: str) -> ServerLoad:
@@ -245,14 +333,15 @@ class SGLangServerAPI:
         return {"input_ids": list(prompt_ids), "sampling_params": sampling, "return_logprob": True}
 
     def parse_generation(self, body: dict) -> Generation:
-        meta = body.get("meta_info") or {}
-        pairs = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text|None], ...]
-        token_ids = [int(p[1]) for p in pairs]
-        output_ids = body.get("output_ids")
-        if output_ids is not None and [int(t) for t in output_ids] != token_ids:
-            raise ServerError("SGLang's output_ids and output_token_logprobs disagree")
-        logprobs = [float(p[0]) for p in pairs]
-        reason = (meta.get("finish_reason") or {}).get("type")
+        with _malformed("an SGLang /generate answer"):
+            meta = body.get("meta_info") or {}
+            pairs = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text|None], ...]
+            token_ids = _ids([p[1] for p in pairs])
+            output_ids = body.get("output_ids")
+            if output_ids is not None and _ids(output_ids) != token_ids:
+                raise ServerError("SGLang's output_ids and output_token_logprobs disagree")
+            logprobs = _floats([p[0] for p in pairs])
+            reason = (meta.get("finish_reason") or {}).get("type")
         return Generation(token_ids, logprobs, reason if reason in ("stop", "length") else "abort")
 
     async def describe(self, http: httpx.AsyncClient) -> tuple[str, int | None]:
@@ -322,6 +411,7 @@ class ServerEngine:
         self._load = ServerLoad(healthy=False)
         self._preemptions_seen = 0
         self.max_model_len: int | None = None
+        self.vocab_size = vocab_size(cfg.model)  # token ids a reply may hold (None: not checked)
         self._control = httpx.Client(base_url=self.url, headers=_headers(servers))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-http", daemon=True)
@@ -435,6 +525,8 @@ class ServerEngine:
             try:
                 return await self._on_loop(self._generate(prompt_ids, params, max_tokens))
             except (httpx.TransportError, ServerError) as e:
+                if isinstance(e, InvalidReplyError):
+                    raise  # a misconfigured server: its error says what to fix
                 if isinstance(e, ServerError) and e.status is not None and e.status < 500:
                     raise  # our request is wrong: another server would refuse it too
                 self.fleet.lost(self, repr(e))
@@ -446,12 +538,19 @@ class ServerEngine:
             self.api.generate_path, json=body, timeout=self.cfg.remote.request_timeout_s
         )
         _check(resp, f"{self.name}: generate")
-        generation = self.api.parse_generation(resp.json())
-        if len(generation.logprobs) != len(generation.token_ids):
-            raise ServerError(
-                f"{self.name}: {len(generation.token_ids)} tokens but {len(generation.logprobs)} log-probs"
-            )
-        return generation
+        try:
+            body = resp.json()
+        except ValueError as e:
+            raise InvalidReplyError(
+                f"{self.name} ({self.url}): the generation answer is not JSON ({e})"
+            ) from None
+        if not isinstance(body, dict):
+            raise InvalidReplyError(f"{self.name} ({self.url}): the generation answer is not a JSON object")
+        try:
+            generation = self.api.parse_generation(body)
+        except InvalidReplyError as e:
+            raise InvalidReplyError(f"{self.name} ({self.url}): {e}") from None
+        return check_generation(generation, max_tokens, self.vocab_size, f"{self.name} ({self.url})")
 
     # --- weights, cache, sleep --------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
