@@ -5,6 +5,7 @@ the per-token surrogate), its diagnostics, and the config checks that keep the r
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -127,3 +128,42 @@ def test_grpo_update_applies_tis_through_the_policy(policy):
     assert m["train/tis_weight_mean"] == pytest.approx(0.5, rel=1e-4)
     assert m["train/tis_ratio_max"] == pytest.approx(0.5, rel=1e-4)
     policy.model.load_state_dict(state)
+
+
+# ---- the TIS weights' edges: the cap's check, truncation strictly above it, the log-ratio bound ----
+
+F64 = torch.float64
+
+
+def t(rows, dtype=F64) -> torch.Tensor:
+    return torch.tensor(rows, dtype=dtype)
+
+
+def test_tis_cap_must_be_positive():
+    x = t([[0.0]])
+    with pytest.raises(ValueError) as err:
+        truncated_is_weights(x, x, t([[1]]), cap=0.0)
+    assert str(err.value) == "the TIS cap must be > 0, got 0.0"
+    with pytest.raises(ValueError):
+        truncated_is_weights(x, x, t([[1]]), cap=-1.0)
+    assert truncated_is_weights(x, x, t([[1]]), cap=1e-9).weight.item() == pytest.approx(1e-9)
+
+
+def test_tis_truncates_strictly_above_the_cap_and_only_trained_tokens():
+    old = t([[0.0, 0.0, math.log(4.0), 0.0]])
+    engine = t([[0.0, 0.0, 0.0, math.log(4.0)]])  # ratios 1, 1, 4, 1/4
+    w = truncated_is_weights(old, engine, t([[1, 0, 1, 1]]), cap=1.0)
+    assert w.truncated.tolist() == [[False, False, True, False]]  # ratio == cap is not truncated
+    assert w.ratio[0].tolist() == pytest.approx([1.0, 1.0, 4.0, 0.25])
+    assert w.weight[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0.25])
+    # an untrained token is never reported truncated, even when the cap is below its ratio of 1
+    w = truncated_is_weights(old, engine, t([[1, 0, 1, 1]]), cap=0.5)
+    assert w.truncated.tolist() == [[True, False, True, False]]
+    assert w.ratio[0, 1].item() == 1.0
+
+
+def test_tis_log_ratio_is_bounded_at_20_both_ways():
+    old, engine = t([[30.0, -30.0, 19.5]]), t([[0.0, 0.0, 0.0]])
+    w = truncated_is_weights(old, engine, t([[1, 1, 1]]), cap=1e12)
+    assert w.ratio[0].tolist() == pytest.approx([math.exp(20), math.exp(-20), math.exp(19.5)], rel=1e-12)
+    assert not w.weight.requires_grad
