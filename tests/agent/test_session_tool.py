@@ -24,10 +24,10 @@ async def test_state_survives_three_calls_and_is_gone_after_close(sandbox):
     # the stateless tool in the same trajectory never sees the session's names
     stateless = await tools["execute_python_code_with_standard_io"].call({"code": "print(x)"})
     assert stateless.status == "runtime_error" and "NameError" in stateless.text
-    live = dict(sandbox._sessions)
+    live = dict(sandbox.sessions.live)
     assert len(live) == 1
     await session.close()
-    assert sandbox._sessions == {}
+    assert sandbox.sessions.live == {}
 
 
 @session_loop
@@ -39,7 +39,7 @@ async def test_a_lost_session_says_so_and_the_next_call_starts_fresh(sandbox):
     fresh = await tool.call({"code": "print(kept)"})
     assert fresh.status == "runtime_error" and "NameError" in fresh.text
     await tool.close()
-    assert sandbox._sessions == {}
+    assert sandbox.sessions.live == {}
 
 
 @session_loop

@@ -189,16 +189,19 @@ async def test_a_killed_services_frozen_sessions_are_ended_by_the_next_one():
 
 @session_loop
 async def test_sessions_and_calls_share_one_memory_budget():
+    # budget 1024 MiB, one slot at 256 MiB: 256 kept for calls, 768 for sessions
     async with small_pool(memory_budget_mb=1024, max_sessions=8) as sb:
         first = await sb.open_session({"memory_mb": 512})
-        second = await sb.open_session({"memory_mb": 384})
-        with pytest.raises(SessionError, match="memory"):
-            await sb.open_session({"memory_mb": 512})
-        r = await sb.run("print(1)", limits={"memory_mb": 256})
+        second = await sb.open_session({"memory_mb": 256})
+        with pytest.raises(SessionError, match="kept for stateless calls"):
+            await sb.open_session({"memory_mb": 64})
+        assert (await sb.run("print(1)")).stdout == "1\n", "the calls' share is free"
+        r = await sb.run("print(1)", limits={"memory_mb": 512})
         assert r.status == Status.QUEUE_TIMEOUT and "memory" in r.message, r
-        assert (await sb.run("print(1)", limits={"memory_mb": 64})).stdout == "1\n"
         await second.aclose()
-        assert (await sb.run("print(2)", limits={"memory_mb": 256})).stdout == "2\n"
+        assert (await sb.run("print(2)", limits={"memory_mb": 512})).stdout == "2\n", (
+            "and what sessions leave"
+        )
         await first.aclose()
         assert sb.health()["memory_reserved_mb"] == 0
 
@@ -260,7 +263,7 @@ async def test_concurrent_closes_free_a_session_once():
         fresh = [await sb.open_session() for _ in range(3)]
         uids = [(await s.run("import os\nprint(os.getuid())")).stdout for s in fresh]
         assert len(set(uids)) == 3, uids
-        assert len(sb._session_uids) == 3
+        assert len(sb.sessions.uids_in_use) == 3
 
 
 @session_loop
@@ -301,7 +304,7 @@ async def test_an_unexpected_failure_answers_503_and_gives_everything_back(monke
         async def broken(*_: object) -> None:
             raise RuntimeError("a bug in the session start")
 
-        monkeypatch.setattr(sb, "_start_session", broken)  # fault injection: the pool itself is real
+        monkeypatch.setattr(sb.sessions, "_start", broken)  # fault injection: the pool itself is real
         resp = await client.post("/sessions", json={})
         assert resp.status_code == 503 and "a bug" in resp.json()["error"], resp.text
         health = sb.health()
@@ -334,7 +337,7 @@ async def test_token_less_service_runs_only_json_posts():
             resp = await client.post("/run", content=b'{"code": "print(1)"}', headers=headers)
             assert resp.status_code == 415, (media, resp.text)
         resp = await client.post("/sessions", content=b"", headers={"content-type": "text/plain"})
-        assert resp.status_code == 415 and not sb._sessions
+        assert resp.status_code == 415 and not sb.sessions.live
         assert (await client.post("/run", json={"code": "print(1)"})).json()["stdout"] == "1\n"
 
 

@@ -16,10 +16,12 @@ import pytest
 
 import tirl.sandbox.session as sm
 from tirl.sandbox import Sandbox, Status, forkserver, framing
+from tirl.sandbox.admission import Admission, SessionError
 from tirl.sandbox.cgroups import PREFIX, _own_paths
 from tirl.sandbox.limits import Limits
-from tirl.sandbox.pool import SESSION_UIDS, SessionError
+from tirl.sandbox.pool import SESSION_UIDS
 from tirl.sandbox.session import Session, gone
+from tirl.sandbox.session_manager import SessionManager
 
 from .hostcheck import open_fds, processes_of_uids, rss_pages, wait_idle, zygote_pids
 
@@ -101,9 +103,9 @@ async def test_abandoned_sessions_leave_nothing_behind():
                 r = await session.run(f"v = {i}\nprint(v * 2)")
                 assert (r.status, r.stdout) == (Status.OK, f"{2 * i}\n"), r
             deadline = time.monotonic() + 120  # abandoned: the pool's idle expiry must end them
-            while sb._sessions and time.monotonic() < deadline:
+            while sb.sessions.live and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert not sb._sessions, "idle sessions were not expired"
+            assert not sb.sessions.live, "idle sessions were not expired"
 
         await round_(20)  # warm: allocator arenas, the session zygote (and its cgroup)
         groups_before = set(_session_cgroups())
@@ -621,75 +623,66 @@ async def test_the_end_marker_counts_within_the_last_64_bytes_read(proc, before)
             assert (r.status, r.message) == (Status.RUNTIME_ERROR, "E") and s.alive
 
 
-# ---- the pool's session admission (no zygote started) ----
+# ---- the session manager's admission (no zygote started) ----
 
 
-def admission_pool(max_sessions: int, memory_mb: int = 10_000) -> Sandbox:
-    pool = object.__new__(Sandbox)  # only the admission state, nothing started
-    pool._closed = False
-    pool.max_sessions = max_sessions
-    pool._sessions_held = 0
-    pool._session_uids = set()
-    pool._memory_reserved_mb = 0
-    pool.memory_budget_mb = memory_mb
-    return pool
+def admission_manager(max_sessions: int, memory_mb: int = 10_000) -> SessionManager:
+    rule = Admission(max_queue=8, max_sessions=max_sessions, budget_mb=memory_mb, calls_reserve_mb=0)
+    return SessionManager(None, rule, first_uid=None, uids=SESSION_UIDS, idle_s=600.0, cpu_s=3600.0)  # type: ignore[arg-type]
 
 
 @PIPES_ONLY
 def test_session_uids_are_taken_lowest_first_released_on_close_and_reused():
-    pool = admission_pool(3)
+    manager = admission_manager(3)
     limits = Limits(memory_mb=100)
-    assert [pool._admit_session(limits) for _ in range(3)] == [0, 1, 2]
+    assert [manager._admit(limits) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(SessionError) as err:
-        pool._admit_session(limits)
+        manager._admit(limits)
     assert (
         str(err.value)
         == "3 sessions are live or opening (the cap): close some, or wait for idle ones to expire"
     )
-    pool._release_session(1, 100)
-    assert pool._sessions_held == 2 and pool._memory_reserved_mb == 200
-    assert pool._admit_session(limits) == 1  # the freed uid, not a new one
-    pool._release_session(0, 100)
-    pool._release_session(2, 100)
-    assert pool._admit_session(limits) == 0 and pool._session_uids == {0, 1}
+    manager._release_held(1, 100)
+    assert manager.admission.sessions_held == 2 and manager.admission.sessions_mb == 200
+    assert manager._admit(limits) == 1  # the freed uid, not a new one
+    manager._release_held(0, 100)
+    manager._release_held(2, 100)
+    assert manager._admit(limits) == 0 and manager.uids_in_use == {0, 1}
 
 
 @PIPES_ONLY
 def test_a_session_is_released_once():
-    pool = admission_pool(2)
+    manager = admission_manager(2)
     s = Session(Limits(memory_mb=64), forkserver.Prepared(-1, -1, -1, -1, -1, -1), FakeCgroup(), uid_index=0)
-    s.uid_index = pool._admit_session(s.limits)
-    pool._release(s)
-    pool._release(s)
-    assert (
-        s.released
-        and pool._sessions_held == 0
-        and pool._memory_reserved_mb == 0
-        and pool._session_uids == set()
-    )
+    s.uid_index = manager._admit(s.limits)
+    manager._release(s)
+    manager._release(s)
+    rule = manager.admission
+    assert s.released and rule.sessions_held == 0 and rule.reserved_mb == 0 and manager.uids_in_use == set()
 
 
 @PIPES_ONLY
 def test_a_closed_pool_opens_no_session():
-    pool = admission_pool(2)
-    pool._closed = True
+    manager = admission_manager(2)
+    manager.admission.closed = True
     with pytest.raises(SessionError) as err:
-        pool._admit_session(Limits())
+        manager._admit(Limits())
     assert str(err.value) == "the sandbox pool is closed"
-    assert pool._sessions_held == 0 and SESSION_UIDS >= 64
+    assert manager.admission.sessions_held == 0 and SESSION_UIDS >= 64
 
 
 @PIPES_ONLY
 def test_a_session_beyond_the_memory_budget_is_refused_and_holds_nothing():
-    pool = admission_pool(3, memory_mb=150)
-    assert pool._admit_session(Limits(memory_mb=100)) == 0
+    manager = admission_manager(3, memory_mb=150)
+    assert manager._admit(Limits(memory_mb=100)) == 0
     with pytest.raises(SessionError) as err:
-        pool._admit_session(Limits(memory_mb=100))
+        manager._admit(Limits(memory_mb=100))
     assert str(err.value) == (
-        "memory budget: 100 of 150 MiB are held by running calls and live sessions, 100 MiB more do not "
-        "fit (retry later, ask for less memory, or close idle sessions)"
+        "memory budget: sessions hold 100 of the 150 MiB they may share (0 of 150 MiB are kept for "
+        "stateless calls), 100 MiB more do not fit (close idle sessions, or ask for less memory)"
     )
-    assert pool._sessions_held == 1 and pool._session_uids == {0} and pool._memory_reserved_mb == 100
+    rule = manager.admission
+    assert rule.sessions_held == 1 and manager.uids_in_use == {0} and rule.reserved_mb == 100
 
 
 @PIPES_ONLY

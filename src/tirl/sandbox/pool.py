@@ -7,11 +7,11 @@ for a free slot at most `queue_timeout_s` (then `queue_timeout`), and at most `m
 wait at once (beyond that: `queue_timeout` at once). A zygote that dies or hangs is replaced and
 the call reports `sandbox_error`; neither is ever presented as the program's fault.
 
-Persistent sessions (session.py) are forked by a zygote of their own that serves no call, so no
-call, recycle or respawn ends one; each has its own uid, network namespace and cgroup. One
-admission rule covers calls and sessions: the session cap and the memory budget (running calls
-plus live sessions) are counted before anything waits, and `max_queue` bounds calls and session
-cells waiting together. docs/sandbox-sessions.md states the guarantees.
+Persistent sessions are managed beside the pool (session_manager.py) and forked by a zygote of
+their own that the pool keeps and that serves no call, so no call, recycle or respawn ends one.
+Calls and sessions ask one admission rule (admission.py): the queue bound, the session cap and one
+memory budget, of which a share is kept for stateless calls. docs/sandbox-sessions.md states the
+guarantees.
 """
 
 from __future__ import annotations
@@ -21,17 +21,19 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tirl.sandbox import cgroups, forkserver, framing, imports, isolation, netns, seccomp_filter, zygote
+from tirl.sandbox import cgroups, framing, imports, isolation, netns, seccomp_filter, zygote
+from tirl.sandbox.admission import Admission, default_calls_reserve_mb
+from tirl.sandbox.admission import SessionError as SessionError  # raised by open_session
 from tirl.sandbox.limits import DEFAULT_LIMITS, SERVER_MAXIMA, Limits, MiB, host_memory_bytes
 from tirl.sandbox.result import ExecResult, Status
-from tirl.sandbox.session import Session, gone
+from tirl.sandbox.session import Session
+from tirl.sandbox.session_manager import SessionManager
 
 GRACE_S = 10.0  # beyond the call's own deadline, how long a silent zygote is trusted
 START_TIMEOUT_S = 180.0
@@ -89,22 +91,8 @@ def _uid_base(pool_index: int) -> int:
     return 2**20 + ((os.getpid() % 2**15) * POOLS_PER_PROCESS + pool_index) * UIDS_PER_POOL
 
 
-class SessionError(RuntimeError):
-    """A session could not be opened (cap reached, pool closed or overloaded)."""
-
-
 def _no_slot(waited_s: float) -> ExecResult:
     return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {waited_s:g} s")
-
-
-def _discard_prepared(task: asyncio.Task) -> None:
-    """A session process whose opener gave up: killed (its fork server reaps it), fds closed."""
-    if task.cancelled() or task.exception() is not None:
-        return
-    child = task.result()
-    with contextlib.suppress(OSError):
-        signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
-    child.close()
 
 
 def _alive(lane: _Slot) -> bool:
@@ -162,6 +150,7 @@ class Sandbox:
         session_idle_s: float = 600.0,
         session_cpu_s: float = 3600.0,
         memory_budget_mb: int | None = None,
+        calls_reserve_mb: int | None = None,
     ) -> None:
         self.slots = slots or os.cpu_count() or 1
         self.maxima = Limits.model_validate(maxima or SERVER_MAXIMA)
@@ -192,32 +181,29 @@ class Sandbox:
             )
         self._slots: list[_Slot] = []
         self._idle: asyncio.Queue[_Slot] = asyncio.Queue()
-        self._waiting = 0
         self._busy = 0
         self._netns_fds: list[int] = []
         self._cgroups: list[cgroups.SlotCgroup] = []
         self._mode = "none"
         self._missing: list[str] = []
         self._tasks: set[asyncio.Task] = set()
-        self._closed = False
-        self.max_sessions, self.session_idle_s, self.session_cpu_s = (
-            max_sessions,
-            session_idle_s,
-            session_cpu_s,
-        )
-        self._sessions: dict[str, Session] = {}
-        self._session_uids: set[int] = set()  # indices in use within the session uid range
         # Sessions are forked by a zygote of their own (started on the first open), never by a
         # slot's: a slot's zygote is recycled, respawned and limited by its calls, and its fork
         # server's exit would end every session it forked.
         self._session_lane: _Slot | None = None
-        self._handoff_lock = asyncio.Lock()
-        # One admission rule: sessions held (live, opening or closing) and memory reserved by
-        # running calls and live sessions, both counted before anything waits.
-        self._sessions_held = 0
-        host_mb = (host_memory_bytes() or 0) // MiB
-        self.memory_budget_mb = memory_budget_mb or host_mb or 1 << 30
-        self._memory_reserved_mb = 0
+        budget_mb = memory_budget_mb or (host_memory_bytes() or 0) // MiB or 1 << 30
+        if calls_reserve_mb is None:
+            calls_reserve_mb = default_calls_reserve_mb(budget_mb, self.slots, self.limits.memory_mb)
+        # One admission rule for calls and sessions (queue, session cap, memory budget).
+        self.admission_rule = Admission(max_queue, max_sessions, budget_mb, calls_reserve_mb)
+        self.sessions = SessionManager(
+            self,
+            self.admission_rule,
+            first_uid=None,  # set at start, once the isolation mode is known
+            uids=SESSION_UIDS,
+            idle_s=session_idle_s,
+            cpu_s=session_cpu_s,
+        )
 
     # ---- lifecycle ----
 
@@ -280,6 +266,8 @@ class Sandbox:
 
     async def start(self) -> None:
         plans = self._plan_isolation()
+        if self._mode == "root":
+            self.sessions.first_uid = self.uid_base + LANE_UIDS
         self._slots = [_Slot(i, plans[i], self._heavy_config) for i in range(self.slots)]
         if self._light_config is not None:
             for s in self._slots:
@@ -326,12 +314,10 @@ class Sandbox:
         slot.notes = tuple(ready.get("notes", ()))
 
     async def close(self) -> None:
-        self._closed = True
+        self.admission_rule.closed = True
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(
-            *(self._close_session(s, "the sandbox pool was closed") for s in list(self._sessions.values()))
-        )
+        await self.sessions.close_all("the sandbox pool was closed")
         lanes = [lane for s in self._slots for lane in s.lanes()] + [
             lane for lane in (self._session_lane,) if lane is not None
         ]
@@ -377,7 +363,7 @@ class Sandbox:
         slot = await self._acquire(self.queue_timeout_s)
         if slot is None:
             return _no_slot(self.queue_timeout_s)
-        if (why := self._reserve_memory(call_limits.memory_mb)) is not None:
+        if (why := self.admission_rule.reserve_call(call_limits.memory_mb)) is not None:
             self._idle.put_nowait(slot)
             return ExecResult(Status.QUEUE_TIMEOUT, message=why)
         queue_ms = (time.monotonic() - queued) * 1000
@@ -387,7 +373,7 @@ class Sandbox:
             result, healthy = await self._call(lane, code, stdin, call_limits)
         finally:
             self._busy -= 1
-            self._memory_reserved_mb -= call_limits.memory_mb
+            self.admission_rule.release_call(call_limits.memory_mb)
             if healthy:
                 self._idle.put_nowait(slot)
             else:
@@ -398,128 +384,54 @@ class Sandbox:
     def admission(self) -> ExecResult | None:
         """Why a call or cell cannot even queue (closed pool, queue full), or None: answered at once,
         before the caller waits (the server asks before it parses a request's body)."""
-        if self._closed:
-            return ExecResult(Status.SANDBOX_ERROR, message="the sandbox pool is closed")
-        if self._waiting >= self.max_queue:
-            return ExecResult(
-                Status.QUEUE_TIMEOUT,
-                message=f"queue full ({self.max_queue} calls and session cells waiting)",
-            )
-        return None
-
-    def _reserve_memory(self, memory_mb: int) -> str | None:
-        """Take `memory_mb` of the pool's memory budget, or say why not (running calls and live
-        sessions together never get more than the machine has)."""
-        if self._memory_reserved_mb + memory_mb > self.memory_budget_mb:
-            return (
-                f"memory budget: {self._memory_reserved_mb} of {self.memory_budget_mb} MiB are held by "
-                f"running calls and live sessions, {memory_mb} MiB more do not fit (retry later, ask "
-                f"for less memory, or close idle sessions)"
-            )
-        self._memory_reserved_mb += memory_mb
-        return None
+        return self.admission_rule.queue_refusal()
 
     async def _acquire(self, timeout: float) -> _Slot | None:
         """A free slot, or None after `timeout` seconds (counted as waiting in the queue)."""
         with contextlib.suppress(asyncio.QueueEmpty):
             return self._idle.get_nowait()
-        self._waiting += 1
+        self.admission_rule.waiting += 1
         try:
             return await asyncio.wait_for(self._idle.get(), max(timeout, 0.0))
         except TimeoutError:
             return None
         finally:
-            self._waiting -= 1
+            self.admission_rule.waiting -= 1
 
-    # ---- persistent sessions ----
+    async def acquire_slot(self, timeout: float) -> _Slot | None:
+        """A free slot for a session's cell (counted busy until `release_slot`), or None after `timeout`."""
+        slot = await self._acquire(timeout)
+        if slot is not None:
+            self._busy += 1
+        return slot
+
+    def release_slot(self, slot: _Slot) -> None:
+        self._busy -= 1
+        self._idle.put_nowait(slot)
+
+    # ---- persistent sessions (session_manager.py) ----
 
     async def open_session(self, limits: Limits | dict | None = None) -> Session:
         """A live interpreter that keeps its state across `session.run` calls (close it when done).
 
         Raises SessionError when the pool is closed, at its cap of sessions (live or opening), out
-        of memory budget, or cannot start one.
+        of the sessions' memory share, or cannot start one.
         """
-        session_limits = self.call_limits(None, limits)
-        uid_index = self._admit_session(session_limits)
-        session = None
-        try:
-            session = await self._start_session(session_limits, uid_index)
-        finally:
-            if session is None:
-                self._release_session(uid_index, session_limits.memory_mb)
-        self._sessions[session.id] = session
-        self._reap_idle_sessions_later()
-        return session
+        return await self.sessions.open(self.call_limits(None, limits))
 
-    def _admit_session(self, limits: Limits) -> int:
-        """Count a new session against the cap and the memory budget before anything waits; its uid index."""
-        if self._closed:
-            raise SessionError("the sandbox pool is closed")
-        if self._sessions_held >= self.max_sessions:
-            raise SessionError(
-                f"{self.max_sessions} sessions are live or opening (the cap): close some, or wait for idle ones to expire"
-            )
-        if (why := self._reserve_memory(limits.memory_mb)) is not None:
-            raise SessionError(why)
-        self._sessions_held += 1
-        # held <= max_sessions <= SESSION_UIDS and each held session has at most one index: one is free
-        uid_index = min(set(range(SESSION_UIDS)) - self._session_uids)
-        self._session_uids.add(uid_index)
-        return uid_index
+    def session(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
 
-    def _release_session(self, uid_index: int, memory_mb: int) -> None:
-        self._session_uids.discard(uid_index)
-        self._sessions_held -= 1
-        self._memory_reserved_mb -= memory_mb
+    async def run_in_session(
+        self, session: Session, code: str, stdin: str = "", timeout: float | None = None
+    ) -> ExecResult:
+        return await self.sessions.run_in_session(session, code, stdin, timeout)
 
-    def _release(self, session: Session) -> None:
-        """Give back what a session held, once (its process is gone)."""
-        if not session.released:
-            session.released = True
-            self._release_session(session.uid_index, session.limits.memory_mb)
+    async def close_session(self, session: Session | str) -> bool:
+        return await self.sessions.close_session(session)
 
-    async def _start_session(self, limits: Limits, uid_index: int) -> Session:
-        uid = self.uid_base + LANE_UIDS + uid_index if self._mode == "root" else None
-        child = await self._hand_off(uid)
-        session = Session(limits, child, cgroups.SlotCgroup(), owner=self, uid_index=uid_index)
-        try:
-            session.cgroup = self._session_cgroup(child.pid, limits)
-            ready = await session.start(limits.with_overrides(timeout_s=self.session_cpu_s))
-        except BaseException:
-            await asyncio.shield(session.close("it failed to start"))
-            raise
-        if not session.alive:
-            await session.close("it failed to start")
-            raise SessionError(ready.message)
-        return session
-
-    async def _hand_off(self, uid: int | None) -> forkserver.Prepared:
-        """A new session process from the session zygote. A caller that gives up mid-way does not
-        leave the zygote's protocol half-read: the hand-off finishes and its process is discarded."""
-        task = asyncio.ensure_future(self._hand_off_locked(uid))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(_discard_prepared)
-            raise
-
-    async def _hand_off_locked(self, uid: int | None) -> forkserver.Prepared:
-        async with self._handoff_lock:
-            lane = await self._session_zygote()
-            proc = lane.proc
-            try:
-                proc.stdin.write(framing.encode({"session": True, "uid": uid}))
-                reply = await asyncio.wait_for(framing.read_frame_async(proc.stdout), GRACE_S)
-            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()  # replaced on the next open
-                raise SessionError("sandbox error: the session zygote did not answer") from None
-            if not reply.get("session"):
-                if reply.get("recycle"):
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                raise SessionError(f"sandbox error: no session process ({reply.get('error')})")
-            return forkserver.receive(lane.handoff)
+    async def session_zygote(self) -> _Slot:
+        return await self._session_zygote()
 
     async def _session_zygote(self) -> _Slot:
         """The zygote that forks sessions, started on first use (and again if it died)."""
@@ -551,109 +463,6 @@ class Sandbox:
             cgroup=group,
         )
 
-    def _session_cgroup(self, pid: int, limits: Limits) -> cgroups.SlotCgroup:
-        """The session's own cgroup (memory, processes, one CPU, frozen between cells): its memory is
-        never a slot's, and it computes only while a cell of it holds a slot."""
-        if self._mode != "root":
-            return cgroups.SlotCgroup()
-        groups, _ = cgroups.create_slot_cgroups(cgroups.service_name(), 1, freezer=True)
-        group = groups[0]
-        group.open()
-        group.set_limits(limits.memory_mb * MiB, limits.max_procs)
-        group.join(pid)
-        return group
-
-    def session(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id)
-
-    async def run_in_session(
-        self, session: Session, code: str, stdin: str = "", timeout: float | None = None
-    ) -> ExecResult:
-        """One cell in `session`. It waits for the session's earlier cells holding nothing, then for
-        a slot (sessions share the pool's CPUs); both waits count in the queue and end with it."""
-        timeout = self.call_limits(timeout).timeout_s
-        if session.lost is not None:
-            return gone(session.lost)
-        if (refused := self.admission()) is not None:
-            return refused
-        deadline = time.monotonic() + self.queue_timeout_s
-        self._waiting += 1
-        try:
-            if session.lock.locked():
-                await asyncio.wait_for(session.lock.acquire(), self.queue_timeout_s)
-            else:
-                await session.lock.acquire()  # free: taken at once (no task for a timeout)
-        except TimeoutError:
-            return ExecResult(
-                Status.QUEUE_TIMEOUT,
-                message=f"the session was busy with earlier cells for {self.queue_timeout_s:g} s",
-            )
-        finally:
-            self._waiting -= 1
-        try:
-            return await self._run_cell_locked(session, code, stdin, timeout, deadline)
-        finally:
-            session.lock.release()
-
-    async def _run_cell_locked(
-        self, session: Session, code: str, stdin: str, timeout: float, deadline: float
-    ) -> ExecResult:
-        if session.lost is not None:
-            return gone(session.lost)
-        slot = await self._acquire(deadline - time.monotonic())
-        if slot is None:
-            return _no_slot(self.queue_timeout_s)
-        self._busy += 1
-        try:
-            return await session.run_cell(code, stdin, timeout)
-        finally:
-            self._busy -= 1
-            self._idle.put_nowait(slot)
-            if session.lost is not None and session.exited:
-                self._release(session)  # its memory and uid are free now; it stays listed to say why
-
-    async def close_session(self, session: Session | str) -> bool:
-        """Close a session (by object or id); False if it was not live (or another caller closes it)."""
-        s = self._sessions.get(session if isinstance(session, str) else session.id)
-        if s is None:
-            return False
-        return await self._close_session(s, "it was closed")
-
-    async def _close_session(self, session: Session, reason: str) -> bool:
-        """Close once: a second closer waits for the first (freeing its uid twice could let two live
-        sessions share one) and returns False. Listed until everything it held is released."""
-        if session.closing is not None:
-            await asyncio.shield(session.closing)
-            return False
-        session.closing = asyncio.ensure_future(self._finish_close(session, reason))
-        await asyncio.shield(session.closing)  # a caller that gives up does not stop the clean-up
-        return True
-
-    async def _finish_close(self, session: Session, reason: str) -> None:
-        try:
-            await session.close(reason)  # kills first: never waits for a running cell
-        finally:
-            self._release(session)
-            self._sessions.pop(session.id, None)
-
-    def _reap_idle_sessions_later(self) -> None:
-        if any(t.get_name() == "session-reaper" for t in self._tasks):
-            return
-
-        async def reap() -> None:
-            while self._sessions and not self._closed:
-                await asyncio.sleep(min(30.0, self.session_idle_s / 4))
-                now = time.monotonic()
-                for s in list(self._sessions.values()):
-                    if s.lock.locked():
-                        continue  # a cell runs or waits: not idle
-                    if not s.alive or now - s.last_used > self.session_idle_s:
-                        await self._close_session(s, f"it was idle for more than {self.session_idle_s:g} s")
-
-        task = asyncio.create_task(reap(), name="session-reaper")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def _call(self, slot: _Slot, code: str, stdin: str, limits: Limits) -> tuple[ExecResult, bool]:
         proc = slot.proc
         try:
@@ -680,7 +489,7 @@ class Sandbox:
                 with contextlib.suppress(ProcessLookupError):
                     lane.proc.kill()
                 await lane.proc.wait()
-            while not self._closed:
+            while not self.admission_rule.closed:
                 try:
                     await self._spawn(lane)
                     self._idle.put_nowait(slot)
@@ -750,14 +559,16 @@ class Sandbox:
             "alive": alive,
             "idle": self._idle.qsize(),
             "busy": self._busy,
-            "queued": self._waiting,
+            "queued": self.admission_rule.waiting,
             "max_queue": self.max_queue,
             "features": self.features(),
-            "sessions": len(self._sessions),
-            "sessions_held": self._sessions_held,
-            "max_sessions": self.max_sessions,
-            "memory_reserved_mb": self._memory_reserved_mb,
-            "memory_budget_mb": self.memory_budget_mb,
+            "sessions": len(self.sessions.live),
+            "sessions_held": self.admission_rule.sessions_held,
+            "max_sessions": self.admission_rule.max_sessions,
+            "memory_reserved_mb": self.admission_rule.reserved_mb,
+            "memory_reserved_by_sessions_mb": self.admission_rule.sessions_mb,
+            "memory_budget_mb": self.admission_rule.budget_mb,
+            "memory_kept_for_calls_mb": self.admission_rule.calls_reserve_mb,
             "limits": self.limits.model_dump(),
             "maxima": self.maxima.model_dump(),
         }

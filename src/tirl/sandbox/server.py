@@ -32,16 +32,18 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tirl.sandbox.body_budget import BodyBudget
 from tirl.sandbox.fusion import PYTHON_NAMES, RunCodeRequest, to_fusion
 from tirl.sandbox.limits import MiB, host_memory_bytes
 from tirl.sandbox.metrics import ServiceMetrics
 from tirl.sandbox.pool import Sandbox, SessionError
+from tirl.sandbox.reply import fit
 from tirl.sandbox.result import ExecResult, Status
 from tirl.sandbox.session import Session
 
 MAX_BODY_BYTES = 64 * MiB
 MAX_BATCH = 4096
-MAX_RESPONSE_BYTES = 32 * MiB  # a batch whose kept output could exceed this is refused
+MAX_RESPONSE_BYTES = 32 * MiB  # the JSON of a reply, as sent (reply.py); larger batches are refused up front
 # Request bodies held at once, queued and running: room for the largest body and more. A waiting
 # request holds its body about three times (raw, parsed JSON, validated model).
 MAX_INFLIGHT_BYTES = 2 * MAX_BODY_BYTES
@@ -122,19 +124,10 @@ async def _answer_unless_stopped(app: Any, scope: dict, receive: Any, send: Any)
 
 
 class Guard:
-    """ASGI middleware: Host check, token, then the body (bounded in size and time), before the app."""
+    """ASGI middleware: Host check, token and media type before the app (and its BodyBudget) run."""
 
-    def __init__(
-        self,
-        app: Any,
-        token: str | None,
-        max_bytes: int,
-        allowed_hosts: frozenset[str],
-        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    ) -> None:
+    def __init__(self, app: Any, token: str | None, max_bytes: int, allowed_hosts: frozenset[str]) -> None:
         self.app, self.token, self.max_bytes, self.allowed_hosts = app, token, max_bytes, allowed_hosts
-        self.max_inflight_bytes = max_inflight_bytes
-        self.inflight = 0  # bytes of the bodies of requests not yet answered
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -145,45 +138,8 @@ class Guard:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large()(scope, receive, send)
-        if declared is not None and declared.isdigit() and (busy := self._over_budget(int(declared))):
-            return await busy(scope, receive, send)
-        try:
-            body = await asyncio.wait_for(self._read(receive), BODY_TIMEOUT_S)
-        except _TooLarge:
-            return await self._too_large()(scope, receive, send)
-        except TimeoutError:
-            return await _json_error(408, f"request body not received within {BODY_TIMEOUT_S:g} s")(
-                scope, receive, send
-            )
-        if busy := self._over_budget(len(body)):
-            return await busy(scope, receive, send)
-        self.inflight += len(body)
-        try:
-            await self._forward(body, scope, receive, send)
-        finally:
-            self.inflight -= len(body)
-
-    def _over_budget(self, size: int) -> JSONResponse | None:
-        if size and self.inflight + size > self.max_inflight_bytes:
-            return _json_error(
-                429,
-                f"request bodies in flight: {self.inflight >> 20} MiB held, {size >> 20} MiB more exceed "
-                f"the budget of {self.max_inflight_bytes >> 20} MiB: retry later",
-                {"Retry-After": "1"},
-            )
-        return None
-
-    async def _forward(self, body: bytes, scope: dict, receive: Any, send: Any) -> None:
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # disconnect notices
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await _answer_unless_stopped(self.app, scope, replay, send)
+        # the body is read inside (BodyBudget: reserved from the budget before it is read)
+        await _answer_unless_stopped(self.app, scope, receive, send)
 
     def _refusal(self, scope: dict, headers: dict[bytes, bytes]) -> JSONResponse | None:
         if self.token is None:
@@ -210,26 +166,8 @@ class Guard:
             )
         return None
 
-    async def _read(self, receive: Any) -> bytes:
-        chunks, seen = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise TimeoutError
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > self.max_bytes:
-                raise _TooLarge
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks)
-
     def _too_large(self) -> JSONResponse:
         return _json_error(413, f"request body too large (limit {self.max_bytes} bytes)")
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def _reject_constant(name: str) -> float:
@@ -261,7 +199,7 @@ def _check_language(language: str) -> None:
         )
 
 
-def _check_fits(sandbox: Sandbox, calls: list[RunRequest]) -> None:
+def _check_fits(sandbox: Sandbox, calls: list[RunRequest], cap: int = MAX_RESPONSE_BYTES) -> None:
     """Refuse what the machine cannot hold: stdin beyond the call's memory, batches whose results
     (head and tail of two streams per call) would not fit in one response."""
     response = 0
@@ -277,11 +215,11 @@ def _check_fits(sandbox: Sandbox, calls: list[RunRequest]) -> None:
                 f"{where}stdin is {stdin >> 20} MiB: more than half the call's memory limit ({limits.memory_mb} MiB)",
             )
         response += 4 * limits.keep_bytes
-    if response > MAX_RESPONSE_BYTES:
+    if response > cap:
         raise HTTPException(
             413,
             f"the batch's results could reach {response >> 20} MiB (4 x keep_bytes per call): "
-            f"send smaller batches or a smaller keep_bytes (at most {MAX_RESPONSE_BYTES >> 20} MiB per batch)",
+            f"send smaller batches or a smaller keep_bytes (at most {cap >> 20} MiB per batch)",
         )
 
 
@@ -298,6 +236,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     allowed_hosts: frozenset[str] | set[str] = frozenset(),
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    max_reply_bytes: int = MAX_RESPONSE_BYTES,
 ) -> FastAPI:
     """The HTTP app around a (not yet started) Sandbox; the app's lifespan starts and stops it."""
     metrics = ServiceMetrics(lambda: sandbox.health()["queued"], lambda: sandbox.health()["busy"])
@@ -330,8 +269,8 @@ def create_app(
         _admit(sandbox)
         req = await _parse(request, RunRequest)
         _check_language(req.language)
-        _check_fits(sandbox, [req])
-        result = await run_one(req)
+        _check_fits(sandbox, [req], max_reply_bytes)
+        [result] = fit([await run_one(req)], max_reply_bytes)
         overloaded = result.status == Status.QUEUE_TIMEOUT
         headers = {"Retry-After": "1"} if overloaded else None
         return JSONResponse(result.to_dict(), status_code=429 if overloaded else 200, headers=headers)
@@ -342,8 +281,8 @@ def create_app(
         req = await _parse(request, BatchRequest)
         for call in req.calls:
             _check_language(call.language)
-        _check_fits(sandbox, req.calls)
-        results = await asyncio.gather(*(run_one(c) for c in req.calls))
+        _check_fits(sandbox, req.calls, max_reply_bytes)
+        results = fit(list(await asyncio.gather(*(run_one(c) for c in req.calls))), max_reply_bytes)
         return {"results": [r.to_dict() for r in results]}
 
     @app.post("/run_code")
@@ -361,8 +300,8 @@ def create_app(
             else None
         )
         call = RunRequest(code=req.code, stdin=req.stdin or "", timeout=req.run_timeout, limits=limits)
-        _check_fits(sandbox, [call])
-        return to_fusion(await run_one(call))
+        _check_fits(sandbox, [call], max_reply_bytes)
+        return to_fusion(fit([await run_one(call)], max_reply_bytes)[0])
 
     @app.post("/sessions")
     async def open_session(request: Request) -> dict:
@@ -395,10 +334,11 @@ def create_app(
         _check_language(req.language)
         if req.limits is not None:
             raise HTTPException(422, "a session's limits are set when it is opened (POST /sessions)")
-        _check_fits(sandbox, [req])
+        _check_fits(sandbox, [req], max_reply_bytes)
         start = time.monotonic()
         result = await sandbox.run_in_session(session, req.code, req.stdin, req.timeout)
         metrics.observe(result, time.monotonic() - start)
+        [result] = fit([result], max_reply_bytes)
         overloaded = result.status == Status.QUEUE_TIMEOUT
         return JSONResponse(
             result.to_dict(),
@@ -419,11 +359,16 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.add_middleware(
+        BodyBudget,
+        budget_bytes=max_inflight_bytes,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=BODY_TIMEOUT_S,
+    )
+    app.add_middleware(
         Guard,
         token=token,
         max_bytes=max_body_bytes,
         allowed_hosts=LOOPBACK_HOSTS | set(allowed_hosts),
-        max_inflight_bytes=max_inflight_bytes,
     )
     return app
 

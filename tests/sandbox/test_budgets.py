@@ -1,0 +1,166 @@
+"""The service's budgets, attacked (issue 42): the reply cap on escaped JSON, body bytes reserved before
+they are read, and idle sessions that cannot starve stateless calls. Each test runs a real pool (a
+stdlib-only one: it starts in a fraction of a second) behind the real app, in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tirl.sandbox import Sandbox, Status
+
+session_loop = pytest.mark.asyncio(loop_scope="session")
+HANG_GUARD_S = 60.0
+
+
+def small_pool(**options: object) -> Sandbox:
+    options = {
+        "slots": 1,
+        "preload": [],
+        "warmup": [],
+        "limits": {"timeout_s": 5.0, "memory_mb": 256},
+    } | options
+    return Sandbox(**options)  # type: ignore[arg-type]
+
+
+def http(sb: Sandbox, **options: object) -> httpx.AsyncClient:
+    from tirl.sandbox.server import create_app
+
+    transport = httpx.ASGITransport(app=create_app(sb, token="t", **options))  # type: ignore[arg-type]
+    return httpx.AsyncClient(
+        transport=transport, base_url="http://127.0.0.1", headers={"Authorization": "Bearer t"}, timeout=120
+    )
+
+
+# ---- the reply cap counts what is sent ----
+
+# Both streams keep 1 MiB of head and 1 MiB of tail; each kept byte is a character JSON escapes.
+ESCAPES = (
+    "import sys\nsys.stdout.write('\\x01' * (3 << 20))\nsys.stdout.flush()\n"
+    "sys.stderr.write('\\x1f' * ((3 << 20) - 1000) + '\"\\\\' * 500)\nsys.stderr.flush()"
+)
+
+
+@session_loop
+async def test_a_reply_of_escaped_characters_stays_within_the_cap():
+    """2 calls x 4 MiB kept pass the raw-byte check (32 MiB), but escape to ~48 MiB of JSON."""
+    async with small_pool(slots=2) as sb, http(sb) as client:
+        call = {"code": ESCAPES, "limits": {"keep_bytes": 1 << 20, "output_bytes": 32 << 20}}
+        resp = await client.post("/run/batch", json={"calls": [call, call]})
+        assert resp.status_code == 200, resp.text[:300]
+        assert len(resp.content) <= 32 << 20, f"reply of {len(resp.content) >> 20} MiB passed the 32 MiB cap"
+        for r in resp.json()["results"]:
+            assert r["status"] == "ok" and r["extra"]["reply_cut_bytes"] > 0, {
+                k: r[k] for k in ("status", "extra")
+            }
+            assert r["stdout"].startswith("\x01" * 1000) and r["stderr"].endswith('"\\' * 500)
+            assert r["stdout_truncated_bytes"] >= (3 << 20) - (2 << 20) + r["extra"]["reply_cut_bytes"] // 2
+
+
+def test_the_cap_is_measured_on_the_encoding_the_response_uses():
+    from tirl.sandbox.reply import encode, fit
+    from tirl.sandbox.result import ExecResult
+
+    results = [ExecResult(Status.OK, stdout="\x00" * 100_000, stderr="é\\" * 50_000) for _ in range(3)]
+    fitted = fit(results, 300_000)
+    assert len(encode({"results": [r.to_dict() for r in fitted]})) <= 300_000
+    small = [ExecResult(Status.OK, stdout="\x00" * 1000)]
+    assert fit(small, 300_000) == small, "a reply under the cap is sent as it is"
+
+
+# ---- body bytes are reserved before they are read ----
+
+
+class Upload:
+    """A request body that yields `size` bytes in 64 KiB chunks, counting what the server read."""
+
+    def __init__(self, size: int, hold: asyncio.Event | None = None) -> None:
+        self.ys, self.hold, self.sent = size - 64, hold, 0
+        self.body = json.dumps({"code": "print(len(input()))", "stdin": "y" * self.ys}).encode()
+
+    async def __aiter__(self):
+        for start in range(0, len(self.body), 64 << 10):
+            if self.hold is not None and start >= 64 << 10:
+                await self.hold.wait()
+            chunk = self.body[start : start + (64 << 10)]
+            self.sent += len(chunk)
+            yield chunk
+
+
+@session_loop
+async def test_concurrent_uploads_beyond_the_body_budget_are_refused_before_their_bytes_are_read():
+    async with small_pool() as sb, http(sb, max_inflight_bytes=8 << 20) as client:
+        release = asyncio.Event()
+        first = Upload(6 << 20, hold=release)  # sends 64 KiB, then waits: its bytes are still coming
+        headers = {"content-type": "application/json", "content-length": str(len(first.body))}
+        started = asyncio.create_task(client.post("/run", content=first, headers=headers))
+        while first.sent == 0:
+            await asyncio.sleep(0.01)
+        second = Upload(6 << 20)
+        headers2 = {"content-type": "application/json", "content-length": str(len(second.body))}
+        resp = await asyncio.wait_for(client.post("/run", content=second, headers=headers2), HANG_GUARD_S)
+        assert resp.status_code == 429 and "in flight" in resp.json()["error"], resp.text[:300]
+        assert second.sent <= 64 << 10, f"{second.sent} bytes of a refused upload were read"
+        release.set()
+        done = await asyncio.wait_for(started, HANG_GUARD_S)
+        assert done.status_code == 200 and done.json()["stdout"] == f"{first.ys}\n", done.text[:300]
+        again = Upload(6 << 20)
+        resp = await client.post("/run", content=again.body, headers={"content-type": "application/json"})
+        assert resp.status_code == 200, "the budget was given back"
+
+
+@session_loop
+async def test_a_chunked_upload_stops_at_the_budget_not_after_its_body():
+    async with small_pool() as sb, http(sb, max_inflight_bytes=4 << 20) as client:
+        huge = Upload(32 << 20)  # no Content-Length: the server learns its size only by reading it
+        resp = await client.post("/run", content=huge, headers={"content-type": "application/json"})
+        assert resp.status_code == 429, resp.text[:300]
+        assert huge.sent <= (4 << 20) + (64 << 10), f"{huge.sent >> 20} MiB read past a 4 MiB budget"
+        assert (await client.get("/health")).json()["status"] == "ok"
+
+
+# ---- idle sessions cannot starve stateless calls ----
+
+
+@session_loop
+async def test_idle_sessions_cannot_hold_the_memory_stateless_calls_need():
+    async with small_pool(memory_budget_mb=1024, max_sessions=16) as sb, http(sb) as client:
+        sessions, refused = [], None
+        while refused is None and len(sessions) < 16:
+            resp = await client.post("/sessions", json={"limits": {"memory_mb": 128}})
+            if resp.status_code == 200:
+                sessions.append(resp.json()["session"])
+            else:
+                refused = resp
+        assert refused is not None and refused.status_code == 429, "sessions took the whole budget"
+        assert "kept for stateless calls" in refused.json()["error"], refused.text
+        for _ in range(3):  # the idle sessions stay; calls at the default limit still run
+            resp = await client.post("/run", json={"code": "print(6 * 7)"})
+            assert resp.status_code == 200 and resp.json()["stdout"] == "42\n", resp.text
+        health = (await client.get("/health")).json()
+        assert health["memory_reserved_by_sessions_mb"] <= 1024 - health["memory_kept_for_calls_mb"]
+        for sid in sessions:
+            await client.delete(f"/sessions/{sid}")
+        assert sb.health()["memory_reserved_mb"] == 0
+
+
+def test_admission_keeps_the_calls_share_and_lets_calls_use_what_sessions_leave():
+    from tirl.sandbox.admission import Admission, SessionError
+
+    rule = Admission(max_queue=8, max_sessions=8, budget_mb=1000, calls_reserve_mb=300)
+    rule.admit_session(400)
+    rule.admit_session(300)
+    with pytest.raises(SessionError, match="700 of the 700 MiB they may share"):
+        rule.admit_session(1)
+    assert rule.reserve_call(300) is None, "the calls' share is free whatever the sessions hold"
+    assert "do not fit" in (rule.reserve_call(1) or "")
+    rule.release_call(300)
+    rule.release_session(400)
+    assert rule.reserve_call(600) is None, "calls may use what sessions leave free"
+    with pytest.raises(SessionError, match="held by running calls"):
+        rule.admit_session(200)
+    with pytest.raises(ValueError, match="calls_reserve_mb"):
+        Admission(max_queue=1, max_sessions=1, budget_mb=100, calls_reserve_mb=200)
