@@ -8,9 +8,9 @@ SGLang's /generate takes `input_ids` and returns `output_ids` with `output_token
 Each URL is one Engine. A poller per server reads its health and KV usage (vLLM's Prometheus
 /metrics, SGLang's /v1/loads), so `capacity()` never blocks the event loop and the KV-aware
 RolloutScheduler spreads trajectories over the servers as over in-process engines. A turn whose
-server fails (connection refused, 5xx) goes to the live server with the most free KV, as the Ray
-runtime's engine fleet does; a server that comes back rejoins at the next weight sync (its weights
-are stale until then) or at once if no sync happened yet.
+server fails (connection refused, 5xx) goes to the live server with the most free KV (the failover
+of tirl.engines.fleet, which the Ray runtime's engine actors share); a server that comes back rejoins
+at the next weight sync (its weights are stale until then) or at once if no sync happened yet.
 
 Weights move through storage both sides see (`engine.remote.weights_dir`): `load_weights` writes one
 safetensors file there ONCE per sync (not once per server) and every server reloads that directory in
@@ -45,6 +45,7 @@ import torch
 
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
+from tirl.engines.fleet import EngineFleet, NoLiveEngineError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,7 +63,7 @@ class ServerError(RuntimeError):
         self.status = status
 
 
-class NoLiveServerError(ServerError):
+class NoLiveServerError(ServerError, NoLiveEngineError):
     """Every server is down: no turn can run."""
 
 
@@ -457,12 +458,14 @@ class ServerEngine:
         if self._thread.is_alive():
             await self._on_loop(self._shutdown())
             await asyncio.to_thread(self._stop)
+        self.fleet.closed(self)
 
     def close_now(self) -> None:
         """close() for callers outside any event loop (or inside one they may block)."""
         if self._thread.is_alive():
             self._call(self._shutdown())
             self._stop()
+        self.fleet.closed(self)
 
     async def _shutdown(self) -> None:
         if self._poller is not None:
@@ -564,7 +567,7 @@ class ServerEngine:
             log.warning("%s is down: it skips this weight sync and rejoins at a later one", self.name)
             return
         self.api.reload(self._control, str(path))
-        self.fleet.synced(self)
+        self.fleet.synced([self])
 
     def reset_prefix_cache(self) -> None:
         self.api.reset_prefix_cache(self._control)
@@ -591,51 +594,41 @@ class ServerEngine:
 # ---- the servers together: failover and one weights file per sync ----------------------------------
 
 
-class ServerFleet:
-    """All servers of one run: which are up, rerouting of failed turns, the weights written per sync."""
+class ServerFleet(EngineFleet):
+    """All servers of one run: failover (tirl.engines.fleet), a failed server's cool-down, and the
+    weights written once per sync; the last sync's directory (a whole model) goes when the last server
+    closes."""
 
     def __init__(self, counters: dict[str, int] | None = None):
-        self.engines: list[ServerEngine] = []
-        self.counters = counters if counters is not None else {}
-        for key in ("engine_failures", "engine_restarts", "rerouted_turns"):
-            self.counters.setdefault(key, 0)
+        super().__init__(counters)
         self.syncs = 0  # weight syncs so far: a revived server with stale weights waits for the next
         self._written: tuple[tuple[int, int], str] | None = None
         self._lock = threading.Lock()
 
-    def lost(self, engine: ServerEngine, why: str) -> None:
-        if engine.up:
-            engine.up, engine.revived = False, False
-            engine._down_since = time.monotonic()
-            self.counters["engine_failures"] += 1
-            log.warning(
-                "%s (%s) is down: %s; its turns go to the other servers", engine.name, engine.url, why
-            )
+    def lost(self, engine: ServerEngine, why: str) -> bool:
+        if not super().lost(engine, f"{engine.url}: {why}"):
+            return False
+        engine._down_since = time.monotonic()
+        return True
 
     def answering(self, engine: ServerEngine) -> None:
         """A failed server answers again: at once if no weights were ever synced, else after the next sync."""
         if self.syncs == 0:
-            engine.up = True
-            self.counters["engine_restarts"] += 1
+            self.synced([engine])
         else:
             engine.revived = True
 
-    def synced(self, engine: ServerEngine) -> None:
-        if not engine.up:
-            engine.up, engine.revived = True, False
-            self.counters["engine_restarts"] += 1
+    def none_live(self) -> Exception:
+        return NoLiveServerError(f"every inference server is down ({', '.join(e.url for e in self.engines)})")
 
-    async def reroute(
-        self, failed: ServerEngine, prompt_ids: list[int], params: SamplingParams
-    ) -> Generation:
-        live = [e for e in self.engines if e.up and e is not failed]
-        if not live:
-            raise NoLiveServerError(
-                f"every inference server is down ({', '.join(e.url for e in self.engines)})"
-            )
-        self.counters["rerouted_turns"] += 1
-        target = max(live, key=lambda e: e.capacity().free_tokens or 0)
-        return await target.generate(prompt_ids, params)
+    def closed(self, engine: ServerEngine) -> None:
+        """`engine` closed; after the last one, the last sync's weights directory is removed."""
+        if engine in self.engines:
+            self.engines.remove(engine)
+        with self._lock:
+            if not self.engines and self._written is not None:
+                shutil.rmtree(self._written[1], ignore_errors=True)
+                self._written = None
 
     def write_weights(self, cfg: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
         """One directory per sync under weights_dir; the previous one is removed. The runtime hands every

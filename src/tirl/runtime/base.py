@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 class SyncFleet(Protocol):
     """Engines in processes of their own that a sync reaches over a process group with trainer rank 0
-    (tirl.runtime.ray.EngineFleet): who takes part in the next sync, and who came back by it."""
+    (tirl.runtime.ray.ActorFleet): who takes part in the next sync, and who came back by it."""
 
     def sync_targets(self) -> list[Any]: ...
 

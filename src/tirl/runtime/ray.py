@@ -40,6 +40,7 @@ import torch
 
 from tirl.distributed.weight_sync import SyncChannel, SyncGroup, WorkerReceiver, free_port, receive_into
 from tirl.engines.base import Generation, GroupReceiver, KVCapacity, SamplingParams, StagedWake
+from tirl.engines.fleet import EngineFleet
 from tirl.engines.vllm import WeightSyncExtension
 from tirl.runtime.base import Runtime
 from tirl.runtime.config import ClusterConfig
@@ -147,7 +148,7 @@ class EngineWorker:
 class RemoteEngine:
     """The Engine interface on an EngineWorker actor; a turn it cannot finish goes to a live engine."""
 
-    def __init__(self, fleet: EngineFleet, actor, name: str, node: str, capacity: KVCapacity, info=None):
+    def __init__(self, fleet: ActorFleet, actor, name: str, node: str, capacity: KVCapacity, info=None):
         self.fleet, self.actor, self.name, self.node = fleet, actor, name, node
         self._capacity = capacity
         info = info or {}
@@ -164,8 +165,8 @@ class RemoteEngine:
                 generation, self._capacity = await self.actor.generate.remote(prompt_ids, params)
                 return generation
             except ray.exceptions.RayActorError:
-                self.fleet.lost(self)
-        return await self.fleet.reroute(prompt_ids, params)
+                self.fleet.lost(self, "its actor died")
+        return await self.fleet.reroute(self, prompt_ids, params)
 
     def capacity(self) -> KVCapacity:
         # The last value the actor reported (a remote call here would block the event loop); a
@@ -203,27 +204,11 @@ class RemoteEngine:
             await self.actor.close.remote()
 
 
-class EngineFleet:
-    """All engine actors: failover, revival after a restart, and the counters the metrics show."""
+class ActorFleet(EngineFleet):
+    """All engine actors: failover (tirl.engines.fleet) and their revival after Ray restarted them."""
 
-    def __init__(self, counters: dict[str, int]):
-        self.engines: list[RemoteEngine] = []
-        self.counters = counters
-        for key in ("engine_failures", "engine_restarts", "rerouted_turns"):
-            counters.setdefault(key, 0)
-
-    def lost(self, engine: RemoteEngine) -> None:
-        if engine.up:
-            engine.up = False
-            self.counters["engine_failures"] += 1
-
-    async def reroute(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        live = [e for e in self.engines if e.up]
-        if not live:
-            raise ClusterError("every engine actor is down: no engine can run this turn")
-        self.counters["rerouted_turns"] += 1
-        target = max(live, key=lambda e: e._capacity.free_tokens or 0)
-        return await target.generate(prompt_ids, params)
+    def none_live(self) -> Exception:
+        return ClusterError("every engine actor is down: no engine can run this turn")
 
     def sync_targets(self, timeout_s: float = READY_TIMEOUT_S) -> list[RemoteEngine]:
         """Engines that take part in the next weight sync: the live ones and those Ray restarted
@@ -242,14 +227,8 @@ class EngineFleet:
                     break  # gone for good (no restarts left) or too slow: it sits this sync out
         return [e for e in self.engines if e.up or e.revived]
 
-    def synced(self, engines: list[RemoteEngine]) -> None:
-        for e in engines:
-            if not e.up:
-                e.up, e.revived = True, False
-                self.counters["engine_restarts"] += 1
 
-
-async def _start_engines(ray, slots: list[Slot], cfg: EngineConfig, fleet: EngineFleet) -> None:
+async def _start_engines(ray, slots: list[Slot], cfg: EngineConfig, fleet: ActorFleet) -> None:
     actor_cls = ray.remote(EngineWorker)
     run = secrets.token_hex(4)  # names (`ray list actors`, operators) unique per runtime
     actors = [
@@ -471,7 +450,7 @@ async def open_ray_runtime(
     ray = connect(cluster)
     tokenizer = tokenizer or load_tokenizer(engine.model)
     counters: dict[str, int] = {}
-    fleet = EngineFleet(counters)
+    fleet = ActorFleet(counters)
     # A fleet the user runs (sandbox.mode=remote) is used as given; otherwise one service per node.
     per_node = cluster.sandbox.per_node and sandbox.mode != "remote"
     sandbox_nodes = _sandbox_nodes(ray, cluster) if per_node else []
