@@ -200,16 +200,17 @@ def load_sharded(
     """Read this rank's shards back into the model and optimizer (a collective); with the same world
     size each rank reads exactly the files it wrote. `trainable_only`: the checkpoint holds only the
     trained weights (LoRA); the others stay as loaded."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
+    from tirl.distributed.checkpoint_reader import load_safely
+
     state = _training_state(model, optimizer, trainable_only)  # the shapes and shardings to read into
     with _single_process_is_intended():
-        dcp.load(state, checkpoint_id=str(path))
+        load_safely(state, path)  # no pickle of the checkpoint runs code (see checkpoint_reader)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not trainable_only))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 

@@ -16,6 +16,7 @@ was trained on.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -30,6 +31,7 @@ from pydantic import BaseModel
 
 from tirl.agent.config import AgentConfig
 from tirl.config import ConfigError, dump_config, ensure_writable_dir, read_yaml, validate
+from tirl.distributed.checkpoint_reader import CheckpointRefused, load_safely, unsafe_reason
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 AGENT_FILE = "tirl_agent.yaml"
@@ -37,7 +39,11 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard")  # what a run writes
 
 
 def rng_states() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors and plain values (numpy's key array as a list), so the
+    trainer state loads with torch.load(weights_only=True)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy = (kind, keys.tolist(), pos, has_gauss, gauss)
+    state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -163,11 +169,28 @@ def _short(value: object, width: int = 60) -> str:
 
 def load_trainer_state(ckpt: Path) -> dict:
     """The small trainer state (counters, schedule, RNG, sampler), plus `checkpoint`: the directory, whose
-    shards/ each rank reads its own part of the weights and optimizer from (tirl.rl.policy)."""
+    shards/ each rank reads its own part of the weights and optimizer from (tirl.rl.policy).
+
+    Loaded with weights_only=True: tensors and plain values, never code. A file that needs more (any
+    checkpoint tirl wrote before this rule, or one made to run code) is refused with the one command
+    that converts a trusted one."""
     path = Path(ckpt) / "trainer_state.pt"
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt} is not a tirl checkpoint (no trainer_state.pt)")
-    return torch.load(path, map_location="cpu", weights_only=False) | {"checkpoint": str(ckpt)}
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointRefused(_refusal(ckpt, unsafe_reason(e))) from None
+    if not isinstance(state, dict) or "optimizer" in state:  # the full optimizer state: no shards/
+        raise CheckpointRefused(_refusal(ckpt, "it is in the format from before sharded checkpoints"))
+    return state | {"checkpoint": str(ckpt)}
+
+
+def _refusal(ckpt: Path, why: str) -> str:
+    return (
+        f"checkpoint {ckpt}: refused: {why}. A checkpoint written by an older tirl looks like this: if "
+        f"you trust it (you or tirl wrote it), convert it once with `tirl convert-checkpoint {ckpt}`"
+    )
 
 
 def latest_model_dir(run_dir: Path) -> Path:
@@ -312,10 +335,6 @@ def read_saved_training_state(ckpt: Path) -> dict:
     """A checkpoint's sharded weights and optimizer state gathered into one dict, {"model": ...,
     "optim": {"state": {name: {...}}, "param_groups": [...]}}, in this process (for inspection and
     tests; training itself reads only its own shards)."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(Path(ckpt) / "shards", Path(tmp) / "state.pt")
-        return torch.load(Path(tmp) / "state.pt", map_location="cpu", weights_only=False)
+    state: dict = {}
+    load_safely(state, Path(ckpt) / "shards", no_dist=True)
+    return state

@@ -22,7 +22,6 @@ from tirl.distributed.groups import (
     barrier,
     clip_grad_norm,
     export_hf_model,
-    load_full_optimizer_state,
     load_sharded,
     save_sharded,
     shard_model,
@@ -383,10 +382,9 @@ class Policy:
         """Weights, optimizer, schedule and RNG of a checkpoint: each rank reads only its own shards.
         (The weights are read again from the shards, not the export: the resume is exact whatever the
         export holds.)"""
-        if "optimizer" in saved:  # a checkpoint from before sharded checkpoints: the full state, pickled
-            load_full_optimizer_state(self.model, self.optimizer, saved["optimizer"], self.info)
-        else:
-            shards = Path(saved["checkpoint"]) / "shards"
-            load_sharded(shards, self.model, self.optimizer, trainable_only=self.lora)
+        # (A checkpoint from before sharded checkpoints never gets here: load_trainer_state refuses it
+        # with the command that converts it, tirl convert-checkpoint.)
+        shards = Path(saved["checkpoint"]) / "shards"
+        load_sharded(shards, self.model, self.optimizer, trainable_only=self.lora)
         self.scheduler.load_state_dict(saved["scheduler"])
         set_rng_states(saved["rng"])
