@@ -357,6 +357,23 @@ def export_command(
     typer.echo(done)
 
 
+@app.command("convert-checkpoint")
+def convert_checkpoint_command(
+    path: str = typer.Argument(..., help="A tirl run directory (all its checkpoints) or one checkpoint."),
+) -> None:
+    """Rewrite checkpoints an older tirl wrote so that they load without unpickling code. It trusts
+    the files (unpickling runs what they name): convert only checkpoints you or tirl wrote."""
+    from tirl.config import ConfigError
+    from tirl.rl.checkpoint_convert import convert_checkpoints
+
+    try:
+        done = convert_checkpoints(path, typer.echo)
+    except (ConfigError, OSError, ValueError) as e:
+        _fail(e)
+    if not done:
+        typer.echo(f"{path}: nothing to convert (its checkpoints already load safely)")
+
+
 # ---- train / sft / demo (tirl.rl) ----
 
 
