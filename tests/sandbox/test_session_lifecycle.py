@@ -271,11 +271,9 @@ async def test_the_sandbox_sees_its_runtime_not_the_project():
     import tirl
 
     package = Path(tirl.__file__).parent
-    venv = Path(sys.prefix)
+    scripts = [p for p in Path(sys.executable).parent.iterdir() if p.name != Path(sys.executable).name]
     hidden = [
-        p
-        for p in (package / "cli.py", package / "reward", package / "rl", venv / "pyvenv.cfg", venv / "bin")
-        if p.exists()
+        p for p in (package / "cli.py", package / "reward", package / "rl", *scripts[:20]) if p.exists()
     ]
     code = f"import os\nprint([p for p in {[str(p) for p in hidden]!r} if os.path.exists(p)])"
     async with small_pool() as sb:
@@ -283,6 +281,9 @@ async def test_the_sandbox_sees_its_runtime_not_the_project():
         assert (r.status, r.stdout) == (Status.OK, "[]\n"), r
         r = await sb.run("import json, decimal\nprint(decimal.Decimal(1) / 4)")
         assert r.stdout == "0.25\n", r
+        if not sys.executable.startswith("/usr/"):  # (a system python's /usr/bin is bound whole)
+            r = await sb.run("import os, sys\nprint(os.listdir(os.path.dirname(sys.executable)))")
+            assert r.stdout == f"{[Path(sys.executable).name]}\n", "only the interpreter of its directory"
 
 
 # ---- over HTTP: the app around a real pool, in this process ----

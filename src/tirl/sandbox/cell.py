@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import traceback
+import types
 import warnings
 
 CELL = "<cell>"
@@ -119,9 +120,19 @@ def open_streams(streams: Streams) -> None:
     warnings.formatwarning = _format_warning
 
 
+def main_namespace() -> dict:
+    """A fresh `__main__` module for the user's code, installed as sys.modules["__main__"]: what a cell
+    defines pickles by reference, so multiprocessing and concurrent.futures can hand a cell's own
+    functions to their workers (a fresh interpreter, as spawn starts, cannot find them: as in Jupyter)."""
+    module = types.ModuleType("__main__")
+    module.__builtins__ = builtins
+    sys.modules["__main__"] = module
+    return module.__dict__
+
+
 def run_cell(code: str) -> None:
     """Execute `code` as the confined process's program and exit; never returns."""
-    exit_code, result = execute(code, {"__name__": "__main__", "__builtins__": builtins})
+    exit_code, result = execute(code, main_namespace())
     report(**result)
     os._exit(exit_code)
 

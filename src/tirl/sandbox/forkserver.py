@@ -246,9 +246,7 @@ def _set_stdin(req: dict) -> None:
 
 def _serve_session(req: dict) -> None:
     """A persistent interpreter: one namespace, one cell per request, SESSION_DONE after each. Never returns."""
-    import builtins
-
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    namespace = cell.main_namespace()
     while True:
         _, report = cell.execute(req.get("code", ""), namespace, keep=True)
         cell.report(**report, end=SESSION_DONE)

@@ -62,11 +62,12 @@ class Plan:
     seccomp: bool = True
     cgroup: SlotCgroup = field(default_factory=SlotCgroup)
     runtime_paths: list[str] = field(default_factory=list)
+    interpreter: list[str] = field(default_factory=list)  # `interpreter_paths`, as user code sees them
     own_network: bool = False  # a network namespace of its own (sessions; calls share their slot's)
 
     @property
     def runtime_under_workdir(self) -> list[str]:
-        return _runtime_under(tuple(self.runtime_paths), WORKDIR)
+        return _runtime_under(tuple(self.runtime_paths), tuple(self.interpreter), WORKDIR)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "cgroup": self.cgroup.to_dict()}
@@ -166,6 +167,18 @@ def runtime_paths() -> list[str]:
     return _outermost([p for p in wanted if p and os.path.exists(p)]) + own_package_paths()
 
 
+def interpreter_paths() -> list[str]:
+    """The interpreter as user code finds it: `sys.executable` (a venv's symlink is bound as the binary
+    it points to, at the same path) and the venv's pyvenv.cfg, so `subprocess.run([sys.executable,
+    ...])` and multiprocessing's spawn and forkserver start this Python with the same packages."""
+    import sys
+
+    paths = [sys.executable] if sys.executable else []
+    if sys.prefix != sys.base_prefix:
+        paths.append(os.path.join(sys.prefix, "pyvenv.cfg"))
+    return [os.path.abspath(p) for p in paths if os.path.isfile(p)]
+
+
 def own_package_paths() -> list[str]:
     """The files of tirl the sandbox runs on: its own package and the tirl modules loaded so far."""
     import sys
@@ -181,10 +194,12 @@ def _package_root() -> str:
 
 
 @functools.lru_cache(maxsize=8)  # fixed per zygote: computed once, not per call
-def _runtime_under(paths: tuple[str, ...], top: str) -> list[str]:
+def _runtime_under(paths: tuple[str, ...], interpreter: tuple[str, ...], top: str) -> list[str]:
     """The outermost runtime paths inside `top` (e.g. a checkout and its venv under /tmp): a tmpfs on
-    `top` would hide them, and lazy imports (numpy.random, ...) would fail inside the call."""
-    return [p for p in _outermost(list(paths)) if p != top and _within(p, top)]
+    `top` would hide them, and lazy imports (numpy.random, ...) would fail inside the call. The
+    interpreter's paths stay unresolved (a venv's python is a symlink to outside it)."""
+    inside = [p for p in _outermost(list(paths)) if p != top and _within(p, top)]
+    return inside + [p for p in interpreter if _within(p, top) and not any(_within(p, q) for q in inside)]
 
 
 def _mount_flags(path: str) -> int:
@@ -199,7 +214,7 @@ def _bind_readonly(fd: int, target: str, flags: int = 0) -> None:
     os.close(fd)
 
 
-def _build_root(runtime: list[str], uid: int | None, own_proc: bool) -> None:
+def _build_root(runtime: list[str], interpreter: list[str], uid: int | None, own_proc: bool) -> None:
     """Assemble the sandbox's filesystem from an allowlist in a tmpfs, then make it our root.
 
     Read-only binds of the system directories, the Python runtime (`runtime_paths`: stdlib,
@@ -212,8 +227,12 @@ def _build_root(runtime: list[str], uid: int | None, own_proc: bool) -> None:
     pieces = [p for p in runtime if _within(p, package)]  # tirl's own files: bound after the mask
     outer = _outermost([p for p in (*SYSTEM_DIRS, *runtime) if p not in links and p not in pieces])
     dirs = [p for p in outer if os.path.isdir(p)]
+    # the interpreter at the path user code knows (unresolved), unless a bound directory shows it already
+    shown = [p for p in interpreter if not any(_within(p, d) for d in (*dirs, *links))]
     files = [
-        p for p in (*ETC_FILES, *DEVICES, *(p for p in outer if not os.path.isdir(p))) if os.path.exists(p)
+        p
+        for p in (*ETC_FILES, *DEVICES, *(p for p in outer if not os.path.isdir(p)), *shown)
+        if os.path.exists(p)
     ]
     sources = {p: (os.open(p, os.O_PATH | os.O_CLOEXEC), _mount_flags(p)) for p in (*dirs, *files, *pieces)}
     linux.mount("tmpfs", NEW_ROOT, "tmpfs", linux.MS_NOSUID, "size=4m,mode=0755")
@@ -288,8 +307,8 @@ def isolate_zygote(plan: Plan) -> list[str]:
             os.close(plan.netns_fd)
         linux.unshare(linux.CLONE_NEWNS)
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    plan.runtime_paths = runtime_paths()
-    _build_root(plan.runtime_paths, plan.uid, own_proc=not plan.userns)
+    plan.runtime_paths, plan.interpreter = runtime_paths(), interpreter_paths()
+    _build_root(plan.runtime_paths, plan.interpreter, plan.uid, own_proc=not plan.userns)
     return notes
 
 
