@@ -31,6 +31,7 @@ import datetime
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -811,10 +812,13 @@ def main(argv: list[str] | None = None) -> int:
     header = {"device": device_line(device), "date": datetime.date.today().isoformat(), "commit": _commit()}
     print(json.dumps({"gpu_check": header}), flush=True)
     results = []
-    for name in args.parts:
-        result = run_part(name, ctx)
-        results.append(result)
-        print(json.dumps(result.__dict__, default=str), flush=True)
+    try:
+        for name in args.parts:
+            result = run_part(name, ctx)
+            results.append(result)
+            print(json.dumps(result.__dict__, default=str), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the part-1 model alone is gigabytes on a GPU run
     table = markdown(results, header["device"])
     print(table, flush=True)
     if args.out:
