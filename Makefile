@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tirl-installed
 
-.PHONY: install test test-fast demo lint bench mutate clean
+.PHONY: install test test-fast demo lint bench mutate clean gpu-wheels
 
 install: $(STAMP)
 
@@ -73,6 +73,21 @@ mutate: install
 		'{ m = $$1; sub(/^ +/, "", m); sub(/\.x[_\xc7].*/, "", m); n[m]++; if ($$2 ~ /killed|timeout/) k[m]++ } \
 		END { for (m in n) printf "%-28s %4d of %4d killed (%.0f%%)\n", m, k[m], n[m], 100 * k[m] / n[m] }'
 	@echo "survivors: $(VENV)/bin/mutmut results; one of them: $(VENV)/bin/mutmut show NAME"
+
+# The lent GPU machine (docs/gpu-validation.md) has torch and most of tirl's needs but no package index:
+# these cp312 manylinux wheels travel with the working tree (`carry`), pinned to what the venv tests.
+# Each one's Requires-Dist was checked: anyio, click, h11, annotated-doc, sympy and pytest are in that
+# image; typing-extensions comes along because pydantic needs >= 4.16.
+GPU_WHEELS_DIR := .gpu-wheels
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing-extensions==4.16.0 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 math-verify==0.9.0 \
+	latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 pyseccomp==0.1.2 pytest-asyncio==1.5.0
+gpu-wheels:
+	rm -rf $(GPU_WHEELS_DIR) && mkdir -p $(GPU_WHEELS_DIR)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	@test $$(ls $(GPU_WHEELS_DIR)/*.whl | wc -l) -eq $(words $(GPU_WHEELS)) || { echo "missing wheels"; exit 1; }
+	@du -sh $(GPU_WHEELS_DIR)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache mutants

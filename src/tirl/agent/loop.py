@@ -108,6 +108,7 @@ async def _turns(
         _append(traj, gen.token_ids, gen.logprobs, trained=True, version=gen.version)
         traj.turns += 1
         text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        traj.model_turns.append(text)
         traj.answer_blocks += count_answer_blocks(text)
         emit("turn", {"turn": turn, "text": text, "finish_reason": gen.finish_reason})
         calls = parse_tool_calls(text, cfg.max_calls_per_turn, schemas)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -55,8 +56,9 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tirl.agent.framing import Piece, encode_framed
 from tirl.agent.protocol import ToolCall, count_answer_blocks, parse_tool_calls
-from tirl.agent.trajectory import ToolCallRecord, ToolCallStatus, Trajectory
+from tirl.agent.trajectory import ToolCallRecord, ToolCallStatus, Trajectory, generated_runs
 from tirl.engines.base import EnginePool, SamplingParams
 from tirl.http_guard import GuardPolicy, HTTPGuard, Refusal, unguessable_id
 
@@ -248,6 +250,27 @@ def _norm_message(m: dict) -> dict:
     return {"role": m.get("role"), "content": content, "tool_calls": calls}
 
 
+def _text_content(m: dict) -> dict:
+    """A copy of the message; a tool message's content parts become their text, joined (as
+    `_norm_message` compares them), so that the template writes it as one string tirl can frame."""
+    m = dict(m)
+    if m.get("role") == "tool" and isinstance(m.get("content"), list):
+        m["content"] = _norm_message(m)["content"]
+    return m
+
+
+def _after(pieces: list[Piece], skip: int) -> list[Piece]:
+    """The pieces without their first `skip` characters."""
+    out: list[Piece] = []
+    for text, trusted in pieces:
+        if skip >= len(text):
+            skip -= len(text)
+            continue
+        out.append((text[skip:], trusted))
+        skip = 0
+    return out
+
+
 def _first_difference(a: str, b: str) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -305,6 +328,39 @@ class ChatRecorder:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def render_pieces(
+        self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, untrusted_from: int = 0
+    ) -> list[Piece]:
+        """The template's rendering of `messages` as (text, trusted) pieces: the content of each tool
+        message from index `untrusted_from` on is tool output, tokenized as plain text so that it cannot
+        write the chat format's control tokens (tirl.agent.framing); the template writes the rest. A
+        template that does not write tool content as it is (escaped, trimmed) is refused: its tool text
+        could not be told apart from its frame."""
+        nonce, marks, shown = secrets.token_hex(8), {}, []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if i >= untrusted_from and m.get("role") == "tool" and isinstance(content, str) and content:
+                marks[f"tirl{nonce}m{i}x"] = content
+                m = {**m, "content": f"tirl{nonce}m{i}x"}
+            shown.append(m)
+        text = self.render(shown, tools, generation_prompt)
+        if not marks:
+            return [(text, True)]
+        pieces: list[Piece] = []
+        at = 0
+        for hit in re.finditer("|".join(marks), text):
+            pieces += [(text[at : hit.start()], True), (marks[hit.group()], False)]
+            at = hit.end()
+        pieces.append((text[at:], True))
+        if "".join(t for t, _ in pieces) != self.render(messages, tools, generation_prompt):
+            raise ChatError(
+                400,
+                f"the chat template ({self.policy.family}) does not write the content of tool messages as "
+                "it is, so tirl cannot keep tool output apart from the chat format's control tokens: use "
+                "a template that writes tool content verbatim",
+            )
+        return pieces
+
     # --- trajectory ids ---------------------------------------------------------------------------
     def issue(self, name: str = "") -> str:
         """A new trajectory id no one can guess (`name` readable in front of it); over HTTP a request
@@ -357,9 +413,10 @@ class ChatRecorder:
                 rec.last_used = time.monotonic()
 
     async def _open(self, rec: Recording, messages: list[dict], tools: list[dict] | None) -> None:
-        text = await asyncio.to_thread(self.render, messages, tools, True)
-        prompt_ids = await asyncio.to_thread(self.encode, text)
-        rec.prompt_ids, rec.ids, rec.messages = prompt_ids, list(prompt_ids), [dict(m) for m in messages]
+        messages = [_text_content(m) for m in messages]
+        pieces = await asyncio.to_thread(self.render_pieces, messages, tools, True)
+        prompt_ids = await asyncio.to_thread(encode_framed, self.tokenizer, pieces)
+        rec.prompt_ids, rec.ids, rec.messages = prompt_ids, list(prompt_ids), messages
         budget = len(prompt_ids) + self.max_response_tokens
         rec.engine_handle = await rec.stack.enter_async_context(self.pool.lease(rec.group, budget))
         rec.engine = str(getattr(rec.engine_handle, "name", type(rec.engine_handle).__name__))
@@ -398,9 +455,10 @@ class ChatRecorder:
                 )
         if len(messages) <= known:
             raise ChatError(409, f"the request repeats the {known} recorded messages but adds none")
-        new = [dict(m) for m in messages[known:]]
+        new = [_text_content(m) for m in messages[known:]]
         before = self.render(rec.messages, rec.tools, generation_prompt=False)
-        after = self.render(rec.messages + new, rec.tools, generation_prompt=True)
+        pieces = self.render_pieces(rec.messages + new, rec.tools, True, untrusted_from=known)
+        after = "".join(text for text, _ in pieces)
         if not after.startswith(before):
             at = _first_difference(before, after)
             raise ChatError(
@@ -410,7 +468,7 @@ class ChatRecorder:
                 f"{after[at : at + 40]!r}), so the new prompt cannot extend the recorded tokens; "
                 f"{self.policy.thinking}",
             )
-        segment = self.encode(rec.closing + after[len(before) :])
+        segment = encode_framed(self.tokenizer, [(rec.closing, True), *_after(pieces, len(before))])
         self._append(rec, segment)
         rec.messages += new
         rec.closing = ""
@@ -612,6 +670,10 @@ def to_trajectory(rec: Recording, tokenizer, problem_id: str, sample_index: int,
         logprobs=list(rec.logprobs),
         versions=list(rec.versions),
         response_text=full_text,
+        model_turns=[
+            tokenizer.decode(run, skip_special_tokens=False)
+            for run in generated_runs(response_ids, rec.loss_mask)
+        ],
         turns=rec.turns,
         tool_calls=_tool_records(rec),
         answer_blocks=sum(count_answer_blocks(t) for t in rec.generated_text),

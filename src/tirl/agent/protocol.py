@@ -4,7 +4,9 @@ Everything the model sees is built in token space. The prompt is the chat templa
 each tool response is a segment `<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response>
 <|im_end|>\\n<|im_start|>assistant\\n` + prefill, tokenized on its own and appended to the exact
 generated ids. Because the segment starts and ends at special tokens, the concatenation is what the
-chat template would produce for the same conversation, and no decoded text is ever re-encoded.
+chat template would produce for the same conversation, and no decoded text is ever re-encoded. The
+tool's text inside the segment is untrusted: its control-token strings (`<|im_end|>`, `</tool_response>`)
+are tokenized as plain text (tirl.agent.framing), so only the frame written here delimits turns.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tirl.agent.config import AgentConfig
+from tirl.agent.framing import Piece, encode_framed
 from tirl.agent.tools import PythonTool, schema_name, toolbox
 from tirl.config import ConfigError
 
@@ -276,21 +279,30 @@ def build_prompt_ids(tokenizer, problem_text: str, cfg: AgentConfig) -> list[int
     return encode(tokenizer, build_prompt_text(tokenizer, problem_text, cfg))
 
 
-def tool_response_text(responses: list[str], cfg: AgentConfig, turn_closed: bool) -> str:
-    """The user turn carrying the tool responses, up to the next assistant header and its prefill.
+def tool_response_pieces(responses: list[str], cfg: AgentConfig, turn_closed: bool) -> list[Piece]:
+    """The user turn carrying the tool responses, up to the next assistant header and its prefill, as
+    (text, trusted) pieces: the frame is trusted, each response is not.
 
     `turn_closed`: the generated turn already ended with <|im_end|> (no tool-call stop).
     """
     prefill = cfg.prefill if cfg.continue_prefill is None else cfg.continue_prefill
-    body = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in responses)
-    return f"{'' if turn_closed else '<|im_end|>'}\n<|im_start|>user{body}<|im_end|>\n<|im_start|>assistant\n{prefill}"
+    pieces: list[Piece] = [(f"{'' if turn_closed else '<|im_end|>'}\n<|im_start|>user", True)]
+    for r in responses:
+        pieces += [("\n<tool_response>\n", True), (r, False), ("\n</tool_response>", True)]
+    return [*pieces, (f"<|im_end|>\n<|im_start|>assistant\n{prefill}", True)]
+
+
+def tool_response_text(responses: list[str], cfg: AgentConfig, turn_closed: bool) -> str:
+    """The tool-response segment as text (SFT traces, displays); the model gets `render_tool_response`."""
+    return "".join(text for text, _ in tool_response_pieces(responses, cfg, turn_closed))
 
 
 def render_tool_response(
     tokenizer, responses: list[str], cfg: AgentConfig, turn_closed: bool = False
 ) -> list[int]:
-    """The tool-response segment as token ids, tokenized on its own (loss mask 0 in the trajectory)."""
-    return encode(tokenizer, tool_response_text(responses, cfg, turn_closed))
+    """The tool-response segment as token ids, tokenized on its own (loss mask 0 in the trajectory):
+    the responses' control-token strings are plain text (tirl.agent.framing.encode_framed)."""
+    return encode_framed(tokenizer, tool_response_pieces(responses, cfg, turn_closed))
 
 
 def longest_prompt(tokenizer, problems, agent_cfg) -> int:

@@ -50,7 +50,10 @@ class Trajectory:
     # Policy version per response token (tirl.engines.versions): the weights that generated it; a tool
     # response carries the version of the turn that called the tool.
     versions: list[int] = field(default_factory=list)
-    response_text: str = ""  # decoded for reward/inspection only; never re-encoded
+    response_text: str = ""  # all of the response decoded, for inspection only; never re-encoded
+    # Each run of generated tokens (loss mask 1), decoded on its own: the model's own text, the only
+    # text its answer is read from (a tool's output can print anything, an answer included).
+    model_turns: list[str] = field(default_factory=list)
     turns: int = 0
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     answer_blocks: int = 0
@@ -100,6 +103,19 @@ class Trajectory:
         known = {f.name for f in fields(cls)} - {"tool_calls"}
         calls = [ToolCallRecord(**c) for c in d.get("tool_calls", [])]
         return cls(**{"prompt_ids": [], **{k: v for k, v in d.items() if k in known}}, tool_calls=calls)
+
+
+def generated_runs(response_ids: Sequence[int], loss_mask: Sequence[int]) -> list[list[int]]:
+    """The runs of generated tokens (loss mask 1) in order, one per turn: what `model_turns` decodes."""
+    runs: list[list[int]] = []
+    previous = 0
+    for token, m in zip(response_ids, loss_mask, strict=True):
+        if m and not previous:
+            runs.append([])
+        if m:
+            runs[-1].append(token)
+        previous = m
+    return runs
 
 
 def turn_token_counts(loss_mask: Sequence[int]) -> list[tuple[int, int]]:

@@ -78,7 +78,7 @@ async def _answer(runtime: Runtime, problem: Problem, cfg: AgentConfig, console:
         seed=seed,
         on_event=on_event,
     )
-    answer = extract_answer(traj.response_text)
+    answer = extract_answer(traj.model_turns)
     summary = f"answer: {answer if answer is not None else '(none)'}   finish: {traj.finish_reason}"
     summary += f"   turns: {traj.turns}   tool calls: {traj.num_tool_calls}   tokens: {traj.response_length}"
     if traj.error:

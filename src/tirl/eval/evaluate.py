@@ -72,7 +72,7 @@ async def evaluate(
 
 
 async def _problem_result(problem: Problem, group: list[Trajectory], reward_pool: Scorer) -> ProblemResult:
-    answers = [extract_answer(t.response_text) if t.scored else None for t in group]
+    answers = [extract_answer(t.model_turns) if t.scored else None for t in group]
     labels = await cluster_answers(answers, reward_pool.equivalent)
     return ProblemResult(
         problem_id=problem.id,

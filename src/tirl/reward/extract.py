@@ -1,13 +1,17 @@
 """Answer extraction: the final `\\boxed{}` the model wrote, never one a tool printed.
 
 The answer is the last `\\boxed{}` inside the last `<answer>` block; when there is no such box, the last
-`\\boxed{}` of the final turn (the text after the last `</tool_response>`). Tool responses are removed
-first, so a program printing `\\boxed{42}` cannot answer for the model.
+`\\boxed{}` of the final turn. It is read from the model's own turns (tirl.agent.Trajectory.model_turns:
+the text of its generated tokens, loss mask 1), so no tool output can answer for the model, whatever it
+prints: a closing `</tool_response>` tag and an `<answer>` included. A single string is read as a whole
+transcript (records written by other tools, displays): tool responses are removed from it by their
+tags first, which a printed closing tag defeats, so nothing that scores passes one.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 _TOOL_RESPONSE = re.compile(r"<tool_response>.*?(?:</tool_response>|\Z)", re.DOTALL)
 # An unclosed <answer> (the model stopped right after its answer) still counts up to the end of the text.
@@ -15,15 +19,23 @@ _ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|\Z)", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 
-def extract_answer(response: str) -> str | None:
-    """The model's final answer (the content of its last `\\boxed{}`), or None when it gave none."""
-    model_text = _TOOL_RESPONSE.sub("", response)
+def extract_answer(response: str | Sequence[str]) -> str | None:
+    """The model's final answer (the content of its last `\\boxed{}`), or None when it gave none.
+
+    `response`: the model's own turns, in order (or one transcript string, see the module's doc)."""
+    if isinstance(response, str):
+        model_text = _TOOL_RESPONSE.sub("", response)
+        final_turn = response.rsplit("</tool_response>", 1)[-1]
+    else:
+        # Each turn on its own line: a box cannot start in one turn and end in the next. Text the model
+        # itself wrapped in <tool_response> tags never answered, and still does not.
+        model_text = "\n".join(_TOOL_RESPONSE.sub("", turn) for turn in response)
+        final_turn = response[-1] if response else ""
     blocks = _ANSWER_BLOCK.findall(model_text)
     if blocks:
         answer = last_boxed(blocks[-1])
         if answer is not None:
             return answer
-    final_turn = response.rsplit("</tool_response>", 1)[-1]
     return last_boxed(_TOOL_RESPONSE.sub("", final_turn))
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,8 +125,10 @@ class RewardPool:
         await asyncio.gather(*(w.kill() for w in self._workers), return_exceptions=True)
         self._workers.clear()
 
-    async def score(self, response: str, reference: str) -> float:
-        """1.0 if the response's final boxed answer equals `reference`, else 0.0 (also on timeout)."""
+    async def score(self, response: str | Sequence[str], reference: str) -> float:
+        """1.0 if the response's final boxed answer equals `reference`, else 0.0 (also on timeout).
+        `response`: the model's own turns (Trajectory.model_turns), never text a tool wrote
+        (tirl.reward.extract)."""
         self.stats.responses += 1
         answer = extract_answer(response)
         if answer is None:
@@ -133,7 +136,7 @@ class RewardPool:
             return 0.0
         return float(await self.equivalent(answer, reference))
 
-    async def score_many(self, pairs: list[tuple[str, str]]) -> list[float]:
+    async def score_many(self, pairs: list[tuple[str | Sequence[str], str]]) -> list[float]:
         """Rewards for (response, reference) pairs, in input order."""
         return list(await asyncio.gather(*(self.score(r, ref) for r, ref in pairs)))
 

@@ -11,7 +11,7 @@ import logging
 import re
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -84,8 +84,9 @@ def _parse(expression: str) -> tuple:
     return tuple(parse("\\boxed{" + expression + "}", parsing_timeout=None))
 
 
-def score(response: str, reference: str, timeout: float | None = 5.0) -> float:
+def score(response: str | Sequence[str], reference: str, timeout: float | None = 5.0) -> float:
     """Binary answer-only reward: 1.0 if the response's final boxed answer equals `reference`, else 0.0.
+    `response`: the model's own turns (Trajectory.model_turns), never text a tool wrote.
 
     In-process; `timeout` interrupts slow verification only in the main thread. For batches, untrusted
     output, or threads, use tirl.reward.RewardPool (separate processes, hard kill).

@@ -13,7 +13,7 @@ hands back proxies with the same interfaces, so the callers never know which one
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -49,7 +49,7 @@ class Scorer(Protocol):
 
     stats: RewardStats
 
-    async def score_many(self, pairs: list[tuple[str, str]]) -> list[float]: ...
+    async def score_many(self, pairs: list[tuple[str | Sequence[str], str]]) -> list[float]: ...
 
     async def equivalent(self, answer: str, reference: str) -> bool: ...
 
@@ -151,10 +151,11 @@ async def generate(
 
 async def score_trajectory(scorer: Scorer, trajectory: Trajectory, reference: str) -> float:
     """One trajectory's binary, answer-only reward: 0 for one that is not scored (truncated at the length
-    budget, as in the paper, or ended by an infrastructure error: Trajectory.scored), else the verifier's."""
+    budget, as in the paper, or ended by an infrastructure error: Trajectory.scored), else the verifier's
+    on the model's own turns (tool output never answers for the model: tirl.reward.extract)."""
     if not trajectory.scored:
         return 0.0
-    [reward] = await scorer.score_many([(trajectory.response_text, reference)])
+    [reward] = await scorer.score_many([(trajectory.model_turns, reference)])
     return float(reward)
 
 

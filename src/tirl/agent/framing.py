@@ -1,0 +1,104 @@
+"""Tool text in token space: the frame around it may hold control tokens, the tool text never does.
+
+A tool's output is untrusted text: a program can print `<|im_end|>`, `<|im_start|>`, `</tool_response>`.
+Tokenized as it is, each becomes the special token the chat format uses to end a turn or a tool
+response, so code could forge turns in the model's context. `encode_framed` tokenizes a segment given
+as (text, trusted) pieces: the trusted pieces (the frame tirl writes, e.g. `<|im_end|>\\n<|im_start|>user
+\\n<tool_response>\\n`) keep their control tokens; in the untrusted ones every control-token string is
+cut in two, so it can only be read as plain text. Everything else is tokenized as one string, as it
+was: tool output without a control-token string gives exactly the ids whole-text tokenization gives,
+on any tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import weakref
+from collections.abc import Sequence
+from contextlib import suppress
+
+# An added token written as a tag (`<tool_response>`, `</tool_call>`, `<think>`, `<|fim_pad|>`): markup
+# of the chat or tool format, never data. Added tokens that are data (the demo's number tokens,
+# `\boxed{`) stay tokens in tool text.
+_TAG = re.compile(r"<[^<>\s]+>")
+_CONTROLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+Piece = tuple[str, bool]  # (text, trusted)
+
+
+def control_tokens(tokenizer) -> dict[str, int]:
+    """The tokens tool text may never turn into, by text: every special token and every added token
+    written as a tag. Looked up once per tokenizer."""
+    try:
+        return _CONTROLS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    found = {t.content: i for i, t in added.items() if t.special or _TAG.fullmatch(t.content)}
+    for text in getattr(tokenizer, "all_special_tokens", ()):
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            found.setdefault(text, token_id)
+    with suppress(TypeError):  # a tokenizer that cannot be weakly referenced: looked up every time
+        _CONTROLS[tokenizer] = found
+    return found
+
+
+def encode_framed(tokenizer, pieces: Sequence[Piece]) -> list[int]:
+    """Token ids of the concatenated pieces, control tokens only where a trusted piece wrote them.
+
+    ValueError when the ids still hold a control token the frame did not write (a tokenizer whose
+    normalizer assembles one from other characters): such text never reaches the model."""
+    controls = control_tokens(tokenizer)
+    text = "".join(t for t, _ in pieces)
+    cuts = _cuts(text, _untrusted_spans(pieces), controls)
+    bounds = [0, *cuts, len(text)]
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    ids = [i for chunk in chunks for i in _encode(tokenizer, chunk)]
+    _check_frame(tokenizer, ids, pieces, set(controls.values()))
+    return ids
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _untrusted_spans(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
+    spans, at = [], 0
+    for text, trusted in pieces:
+        if not trusted and text:
+            spans.append((at, at + len(text)))
+        at += len(text)
+    return spans
+
+
+def _cuts(text: str, spans: list[tuple[int, int]], controls: dict[str, int]) -> list[int]:
+    """Where to cut `text` so that no control-token string overlapping untrusted text stays whole:
+    just after the first character of each one."""
+    if not spans:
+        return []
+    cuts: set[int] = set()
+    for token in controls:
+        if len(token) < 2:  # nothing to cut; _check_frame refuses it if it matters
+            continue
+        start = text.find(token)
+        while start >= 0:
+            end = start + len(token)
+            if any(start < b and a < end for a, b in spans):
+                cuts.add(start + 1)
+            start = text.find(token, start + 1)
+    return sorted(cuts)
+
+
+def _check_frame(tokenizer, ids: list[int], pieces: Sequence[Piece], control_ids: set[int]) -> None:
+    framed = sum(
+        i in control_ids for text, trusted in pieces if trusted and text for i in _encode(tokenizer, text)
+    )
+    found = sum(i in control_ids for i in ids)
+    if found != framed:
+        extra = sorted({tokenizer.convert_ids_to_tokens(i) for i in ids if i in control_ids})
+        raise ValueError(
+            f"tool output would reach the model as control token(s) {', '.join(extra)} "
+            f"({found} control tokens where the frame writes {framed}); refusing to tokenize it"
+        )
