@@ -722,8 +722,14 @@ def plan_command(
     colocate: bool | None = typer.Option(
         None, "--colocate/--separate", help="Engines on the trainer's GPUs (default: as the config says)."
     ),
-    trainer_offload: bool = typer.Option(
-        False, "--trainer-offload", help="The trainer's state leaves the GPU while engines generate."
+    trainer_offload: bool | None = typer.Option(
+        None,
+        "--trainer-offload/--no-trainer-offload",
+        help="The trainer's state leaves the GPU while engines generate (default: when colocated and "
+        "synchronous, as the trainer does).",
+    ),
+    largest: str | None = typer.Option(
+        None, "--largest", help="micro-batch | context | model: the largest that fits this budget."
     ),
     arch: str | None = typer.Option(
         None, "--arch", help="Architecture: qwen3-14b, Qwen/Qwen3-14B[-Base] or a model dir (default: model)."
@@ -732,23 +738,29 @@ def plan_command(
 ) -> None:
     """Peak memory per GPU of training (measured with fake tensors and a fake process group at the real
     world size: no GPU, no weights), each engine's KV cache and trajectories at once, the bytes of one
-    weight sync, and a verdict. Exit status 1 when it does not fit. Extra `key.path=value` override."""
+    weight sync, a verdict and the overrides that make it fit. Exit status 1 when it does not fit.
+    --largest answers what fits this budget instead (docs/memory-plan.md). Extra `key.path=value` override."""
     import json
 
     from tirl.config import ConfigError, load_config, read_yaml
     from tirl.rl.config import SFTConfig, TrainConfig
-    from tirl.rl.plan import ClusterShape, GiB, colocated_by_config, plan_for_config
+    from tirl.rl.plan import GiB, cluster_of, largest_for_config, plan_for_config
 
     try:
         if kind == "auto":
             kind = "train" if "stages" in read_yaml(config) else "sft"
         cfg = load_config(TrainConfig if kind == "train" else SFTConfig, config, ctx.args)
-        shared = colocated_by_config(cfg) if colocate is None else colocate
-        plan = plan_for_config(cfg, ClusterShape(gpus, int(gpu_memory * GiB), shared, trainer_offload), arch)
-    except (ConfigError, FileNotFoundError) as e:
+        cluster = cluster_of(cfg, gpus, int(gpu_memory * GiB), colocate, trainer_offload)
+        if largest is not None:
+            answer, plan = largest_for_config(cfg, cluster, largest, arch)
+            typer.echo(answer)
+        else:
+            plan = plan_for_config(cfg, cluster, arch)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         _fail(e)
-    typer.echo(json.dumps(plan.as_dict(), default=str, indent=1) if as_json else "\n".join(plan.lines()))
-    if not plan.fits:
+    if plan is not None:
+        typer.echo(json.dumps(plan.as_dict(), default=str, indent=1) if as_json else "\n".join(plan.lines()))
+    if plan is None or not plan.fits:
         raise typer.Exit(1)
 
 

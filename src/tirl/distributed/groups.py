@@ -41,6 +41,8 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     """Join the torchrun process group when launched by torchrun, else a world of one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(device_pref)
+    if device.type == "cuda":
+        use_expandable_segments()
     if world == 1:
         return DistInfo(0, 1, device)
     faulthandler.enable()  # a rank that aborts in native code says where in Python it was
@@ -53,6 +55,16 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     return DistInfo(rank, dist.get_world_size(), device)
+
+
+def use_expandable_segments() -> None:
+    """The CUDA allocator `tirl plan` assumes (tirl.rl.plan.allocator_slack): expandable segments,
+    unless the user set PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF. Applied to the running allocator
+    too (CUDA may be up already); child processes inherit the variable."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def shutdown_distributed(synchronize: bool) -> None:

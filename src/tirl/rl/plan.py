@@ -24,7 +24,8 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,21 +47,33 @@ ENGINE_BATCHED_TOKENS = 8192
 ENGINE_GRAPHS_AND_NON_TORCH = 1.5 * GiB
 
 # Published sizes (config.json of the Hugging Face releases); no hub access is needed.
-QWEN3_14B: dict[str, Any] = dict(
-    hidden_size=5120,
-    num_hidden_layers=40,
-    num_attention_heads=40,
+_QWEN3_COMMON: dict[str, Any] = dict(
     num_key_value_heads=8,
     head_dim=128,
-    intermediate_size=17408,
     vocab_size=151936,
-    tie_word_embeddings=False,
     max_position_embeddings=40960,
     rope_theta=1000000.0,
     rms_norm_eps=1e-6,
 )
+# name: (hidden, layers, attention heads, intermediate, tied embeddings)
+_QWEN3_SIZES = {
+    "qwen3-0.6b": (1024, 28, 16, 3072, True),
+    "qwen3-1.7b": (2048, 28, 16, 6144, True),
+    "qwen3-4b": (2560, 36, 32, 9728, True),
+    "qwen3-8b": (4096, 36, 32, 12288, False),
+    "qwen3-14b": (5120, 40, 40, 17408, False),
+    "qwen3-32b": (5120, 64, 64, 25600, False),
+}
+QWEN3: dict[str, dict[str, Any]] = {
+    name: _QWEN3_COMMON
+    | dict(
+        hidden_size=h, num_hidden_layers=n, num_attention_heads=a, intermediate_size=i, tie_word_embeddings=t
+    )
+    for name, (h, n, a, i, t) in _QWEN3_SIZES.items()
+}
+QWEN3_14B = QWEN3["qwen3-14b"]
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "qwen3-14b": QWEN3_14B,
+    **QWEN3,
     "Qwen/Qwen3-14B": QWEN3_14B,
     "Qwen/Qwen3-14B-Base": QWEN3_14B,
 }
@@ -71,7 +84,9 @@ class ClusterShape:
     gpus: int  # training ranks (FSDP world size); colocated, also the number of engines
     gpu_memory: int  # bytes per GPU
     colocated: bool = True
-    trainer_offload: bool = False  # the trainer moves its state to host memory while engines generate
+    # The trainer's state leaves the GPU while the engines generate: what the synchronous trainer does
+    # whenever it is colocated (tirl.rl.trainer: optimizer after the update, parameters after the sync).
+    trainer_offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,19 +104,23 @@ class Workload:
 
 @dataclass
 class TrainingMemory:
-    peak: int  # bytes, as FSDP's memory tracker measured it on rank 0
+    peak: int  # bytes, as the memory tracker measured the update's steady state on rank 0
     by_category: dict[str, int]
-    resident: int  # between steps: sharded fp32 params + AdamW moments (gradients are set to None)
+    resident: int  # between steps: (sharded) params + AdamW moments (gradients are set to None)
     trainable: int = 0  # parameters the optimizer updates (all of them; with LoRA the adapters only)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self.by_category.get("Sharded Param", 0)
 
 
 @dataclass
 class EngineMemory:
-    budget: int  # gpu_memory_utilization x GPU memory (x tensor-parallel GPUs)
-    weights: int
+    budget: int  # gpu_memory_utilization x GPU memory, per GPU of the engine
+    weights: int  # per GPU (1 / tensor_parallel_size of the model)
     reserve: int
     kv_cache: int
-    kv_per_token: int
+    kv_per_token: int  # per GPU
     trajectory_tokens: int
     trajectories: int  # of trajectory_tokens each, at once
 
@@ -117,8 +136,12 @@ class Plan:
     sync_bytes: int
     training_total: int  # per GPU while training, all included
     rollout_total: int | None  # per GPU while the engines generate (colocated or engine GPUs)
+    sync_total: int | None = None  # colocated: per GPU while the weights move to the woken engine
+    slack: float = 0.05  # the allocator allowance on the measured peak (allocator_slack())
+    largest_tensor: int = 0  # bytes of the largest parameter, gathered whole in fp32 by the sync
     fits: bool = False
     advice: list[str] = field(default_factory=list)
+    fixes: dict[str, str] = field(default_factory=dict)  # config overrides that make it fit (checked)
 
     def verdict(self) -> str:
         if self.fits:
@@ -132,8 +155,9 @@ class Plan:
         c = self.cluster
         if self.engine is None:
             return "training only"
-        offload = ", trainer offloaded during rollouts" if c.trainer_offload else ""
-        return f"{'colocated' if c.colocated else 'separate'} engines{offload}"
+        offload = ", trainer state offloaded to the host during rollouts" if c.trainer_offload else ""
+        tp = int(self.workload.engine.get("tensor_parallel_size", 1))
+        return f"{'colocated' if c.colocated else 'separate'} engines, tensor parallel {tp}{offload}"
 
     def lines(self) -> list[str]:
         c, t = self.cluster, self.training
@@ -141,32 +165,85 @@ class Plan:
         out = [
             f"model: {self.architecture}, {self.parameters / 1e9:.2f}B parameters",
             f"cluster: {c.gpus} GPUs x {_gb(c.gpu_memory)} GiB, {self._layout()}",
-            f"training (measured, one micro-batch of {b} x {n} tokens): peak {_gb(t.peak)} GiB per GPU ("
+            f"training (measured: {MICRO_BATCHES} micro-batches of {b} x {n} tokens accumulate, padding "
+            f"mask, AdamW step): peak {_gb(t.peak)} GiB per GPU ("
             + ", ".join(f"{k} {_gb(v)}" for k, v in t.by_category.items() if v >= GiB / 100)
             + ")",
-            *(
-                [
-                    f"LoRA: rank {self.workload.lora['rank']}, {t.trainable / 1e6:.2f}M trainable parameters "
-                    f"({100 * t.trainable / max(self.parameters, 1):.2f}%); gradients and AdamW state for "
-                    "them only, the frozen base in the compute dtype"
-                ]
-                if self.workload.lora
-                else []
-            ),
-            f"  + allocator slack, CUDA/NCCL context{', sleeping engine' if c.colocated and self.engine else ''}"
-            f" = {_gb(self.training_total)} GiB; resident between steps {_gb(t.resident)} GiB",
+            *self._lora_lines(),
+            "training per GPU: "
+            + _sum(self._training_terms(), self.training_total, c.gpu_memory)
+            + f"; resident between steps {_gb(t.resident)} GiB",
         ]
         if self.engine is not None:
-            e = self.engine
-            out += [
+            out += self._engine_lines()
+        return [*out, self.verdict(), *self._fix_lines()]
+
+    def _lora_lines(self) -> list[str]:
+        if not self.workload.lora:
+            return []
+        t = self.training
+        return [
+            f"LoRA: rank {self.workload.lora['rank']}, {t.trainable / 1e6:.2f}M trainable parameters "
+            f"({100 * t.trainable / max(self.parameters, 1):.2f}%); gradients and AdamW state for "
+            "them only, the frozen base in the compute dtype"
+        ]
+
+    def _training_terms(self) -> list[tuple[str, int]]:
+        peak = self.training.peak
+        terms = [("measured peak", peak), (f"allocator slack {self.slack:.0%}", int(peak * self.slack))]
+        terms.append(("CUDA/NCCL context", int(TRAINER_CONTEXT)))
+        if self.cluster.colocated and self.engine is not None:
+            terms.append(("sleeping engine", int(ENGINE_ASLEEP)))
+        return terms
+
+    def _rollout_terms(self) -> list[tuple[str, int]]:
+        terms = [("engine budget", self.engine.budget)]
+        if self.cluster.colocated:
+            if not self.cluster.trainer_offload:
+                terms.append(("trainer state", self.training.resident))
+            terms.append(("trainer context", int(TRAINER_CONTEXT)))
+        return terms
+
+    def _sync_terms(self) -> list[tuple[str, int]]:
+        return [
+            ("engine weights", self.engine.weights),
+            ("engine context", int(ENGINE_ASLEEP)),
+            ("trainer parameters", self.training.parameter_bytes),
+            ("one gathered fp32 tensor", self.largest_tensor),
+            ("trainer context", int(TRAINER_CONTEXT)),
+        ]
+
+    def _engine_lines(self) -> list[str]:
+        e, c = self.engine, self.cluster
+        if e.budget >= e.weights + e.reserve:
+            budget = (
                 f"engine: budget {_gb(e.budget)} GiB = weights {_gb(e.weights)} + reserve {_gb(e.reserve)} "
-                f"+ KV cache {_gb(e.kv_cache)} GiB ({e.kv_per_token // 1024} KiB per token)",
-                f"  {e.trajectories} trajectories of {e.trajectory_tokens} tokens at once per engine "
-                f"({e.kv_cache // max(e.kv_per_token, 1)} tokens)",
-                f"rollout: {_gb(self.rollout_total or 0)} GiB per GPU",
-                f"weight sync: {_gb(self.sync_bytes)} GiB per sync",
-            ]
-        return [*out, self.verdict()]
+                f"+ KV cache {_gb(e.kv_cache)} GiB ({e.kv_per_token // 1024} KiB per token)"
+            )
+        else:
+            budget = (
+                f"engine: budget {_gb(e.budget)} GiB is less than its weights {_gb(e.weights)} + reserve "
+                f"{_gb(e.reserve)} GiB: no room for a KV cache"
+            )
+        out = [
+            budget,
+            f"  {e.trajectories} trajectories of {e.trajectory_tokens} tokens at once per engine "
+            f"({e.kv_cache // max(e.kv_per_token, 1)} tokens)",
+            "rollout per GPU: " + _sum(self._rollout_terms(), self.rollout_total or 0, c.gpu_memory),
+        ]
+        if self.sync_total is not None:
+            out.append("weight sync per GPU: " + _sum(self._sync_terms(), self.sync_total, c.gpu_memory))
+        return [*out, f"weight sync: {_gb(self.sync_bytes)} GiB per sync"]
+
+    def _fix_lines(self) -> list[str]:
+        if not self.fixes:
+            return []
+        return ["fits with: " + " ".join(f"{k}={v}" for k, v in self.fixes.items())]
+
+
+def _sum(terms: list[tuple[str, int]], total: int, memory: int) -> str:
+    """'a 1.0 + b 2.0 = 3.0 GiB of 80.0': the terms add up to the total as printed."""
+    return " + ".join(f"{name} {_gb(v)}" for name, v in terms) + f" = {_gb(total)} GiB of {_gb(memory)}"
 
 
 def _gb(n: float) -> str:
@@ -209,12 +286,69 @@ def _meta_model(config) -> torch.nn.Module:
 
 # ---- training: FSDP2 on fake tensors and a fake process group ----
 
+# The steady state of an update: the trainer accumulates gradients over the step's micro-batches
+# (tirl.rl.policy.Policy.accumulate), so from the second one on its backward runs with the first one's
+# gradients held; two micro-batches measure exactly that.
+MICRO_BATCHES = 2
+# The attention implementation the measurement runs under (registered by _register_planned_attention).
+PLANNED_ATTENTION = "tirl_plan"
+
+
+def _register_planned_attention() -> None:
+    """The GPU trainer's attention, as its memory goes, for fake tensors on the CPU.
+
+    The trainer always passes the padding mask; a micro-batch whose sequences differ in length makes
+    transformers materialize it as a [B, 1, T, T] bool mask, so the worst case is measured with the mask
+    materialized. On a GPU, SDPA with a mask runs the memory-efficient kernel: it converts the bool mask
+    to a [B, 1, T, T] bias in the compute dtype and keeps it for backward, and transformers repeats the
+    KV heads (GQA) before the call, but no [T, T] scores exist. The CPU kernel given a mask would build
+    the scores (the reference kernel), so the mask and the bias are allocated here and the attention
+    itself runs as the fused causal kernel, whose memory is the efficient kernel's."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def mask(*args, **kwargs):
+        return sdpa_mask(*args, **(kwargs | {"allow_is_causal_skip": False}))
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        groups = getattr(module, "num_key_value_groups", 1)
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        out, weights = sdpa_attention_forward(module, query, key, value, None, **kwargs)
+        if attention_mask is not None:  # the efficient kernel's bias, kept for its backward
+            zero = torch.zeros((), dtype=query.dtype)
+            bias = torch.where(attention_mask.logical_not(), float("-inf"), zero)  # as torch converts it
+            out = _KeepForBackward.apply(out, bias)
+        return out, weights
+
+    AttentionInterface.register(PLANNED_ATTENTION, attention)
+    AttentionMaskInterface.register(PLANNED_ATTENTION, mask)
+
+
+class _KeepForBackward(torch.autograd.Function):
+    """Identity on `out` that holds `kept` until backward, as a kernel that saves it does."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(kept)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
 
 def _workload_meta_model(config, workload: Workload) -> torch.nn.Module:
-    """The model on meta, with the workload's LoRA adapters injected as the trainer does it
-    (tirl.rl.policy.with_lora). Outside FakeTensorMode: peft moves each adapter to its layer's device,
-    which fake tensors refuse."""
-    model = _meta_model(config)
+    """The model on meta under the planned attention, with the workload's LoRA adapters injected as
+    the trainer does it (tirl.rl.policy.with_lora). Outside FakeTensorMode: peft moves each adapter to
+    its layer's device, which fake tensors refuse."""
+    from transformers import AutoModelForCausalLM
+
+    _register_planned_attention()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=PLANNED_ATTENTION
+        )
     if workload.lora:
         from tirl.rl.config import LoraConfig
         from tirl.rl.policy import with_lora
@@ -224,7 +358,7 @@ def _workload_meta_model(config, workload: Workload) -> torch.nn.Module:
 
 
 def _fake_model(config, meta: torch.nn.Module | None = None) -> torch.nn.Module:
-    """The model with storage-less fp32 parameters on CPU (call under FakeTensorMode). Built on meta
+    """The model with storage-less parameters on CPU (call under FakeTensorMode). Built on meta
     (or `meta`, built beforehand) and then given fake parameters, which skips the random initialization
     (seconds at 14B)."""
     model = meta if meta is not None else _meta_model(config)
@@ -249,10 +383,20 @@ def _allocate_adam_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def measure_training(config, world: int, workload: Workload) -> TrainingMemory:
-    """Peak memory of one training micro-batch on rank 0 of `world` FSDP2 ranks (no GPU, no weights).
+    """Peak memory of a training update's steady state on rank 0 of `world` ranks (no GPU, no weights):
+    MICRO_BATCHES micro-batches of the worst shape accumulate their gradients (the second one's backward
+    runs with the first one's gradients held), with the padding mask, then clipping and AdamW's step
+    with its moments allocated. One rank is the trainer's single-process path (no FSDP: the whole model,
+    bf16 autocast); more are FSDP2 ranks over a fake process group, which this process must not
+    already have (the `tirl train` preflight runs it in a subprocess)."""
+    if world < 1:
+        raise ValueError(f"a plan needs at least one GPU, got {world}")
+    meta = _workload_meta_model(config, workload)
+    if world == 1:
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-    Runs in this process with a fake process group, which must not already have one (the `tirl train`
-    preflight runs it in a subprocess)."""
+        with FakeTensorMode():
+            return _measure_one_process(config, workload, meta)
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -265,50 +409,118 @@ def measure_training(config, world: int, workload: Workload) -> TrainingMemory:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside fake mode: the mesh is real bookkeeping
-        meta = _workload_meta_model(config, workload)
-        with FakeTensorMode():
-            return _measure_step(config, mesh, workload, meta)
+        with FakeTensorMode(), warnings.catch_warnings():
+            # The token head's (log-prob, entropy) outputs are views; FSDP2 warns that an in-place op
+            # on one would skip its hook. Nothing modifies them in place (the trainer neither).
+            warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
+            return _measure_sharded(config, mesh, workload, meta)
     finally:
         dist.destroy_process_group()
 
 
-def _measure_step(config, mesh, workload: Workload, meta: torch.nn.Module | None = None) -> TrainingMemory:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    from tirl.distributed.groups import DistInfo, clip_grad_norm, shard_model
-    from tirl.rl.policy import enable_gradient_checkpointing, install_token_head, token_logprobs
+def _prepared(config, workload: Workload, meta: torch.nn.Module | None) -> torch.nn.Module:
+    """The fake model as tirl.rl.policy._prepare leaves it (checkpointing, no KV cache, the token head)."""
+    from tirl.rl.policy import enable_gradient_checkpointing, install_token_head
 
     model = _fake_model(config, meta)
     model.config.use_cache = False
     if workload.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     install_token_head(model)
-    world = mesh.size()
-    info = DistInfo(0, world, torch.device("cpu"))
+    return model
+
+
+def _measure_sharded(config, mesh, workload: Workload, meta: torch.nn.Module | None = None) -> TrainingMemory:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from tirl.distributed.groups import DistInfo, shard_model
+
+    model = _prepared(config, workload, meta)
+    info = DistInfo(0, mesh.size(), torch.device("cpu"))
     shard_model(model, info, workload.bf16, mesh=mesh)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-6)
-    _allocate_adam_state(optimizer)
-    # between steps: every parameter's shard, and AdamW's two moments of the trained ones
-    resident = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(p) * 2 for p in trainable)
-    batch, tokens = workload.micro_batch
-    ids = torch.zeros((batch, tokens), dtype=torch.long)
+    optimizer, trainable = _optimizer(model)
+    ids = torch.zeros(workload.micro_batch, dtype=torch.long)
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs((ids,))
     with tracker:
-        # No padding mask: every token is real (the worst case), and attention takes the fused causal
-        # kernel with O(tokens) memory, as flash/memory-efficient attention does on the GPU. (A mask
-        # whose values fake tensors cannot see would send it to the O(tokens^2) reference kernel.)
-        logprobs, _ = token_logprobs(model, ids, None)
-        (logprobs.sum() * world).backward()
-        clip_grad_norm(trainable, 1.0, info)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _update(model, optimizer, trainable, ids, info, False, tracker.reset_mod_stats)
+    return _memory(tracker, model, trainable)
+
+
+def _measure_one_process(config, workload: Workload, meta: torch.nn.Module | None = None) -> TrainingMemory:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tirl.distributed.groups import DistInfo
+
+    model = _prepared(config, workload, meta)
+    optimizer, trainable = _optimizer(model)
+    ids = torch.zeros(workload.micro_batch, dtype=torch.long)
+    tracker = MemTracker()
+    for p in model.parameters():  # a frozen (LoRA base) parameter takes no gradient hook: mark it hooked
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
+    tracker.track_external(model, optimizer, ids)
+    with tracker:
+        info = DistInfo(0, 1, torch.device("cpu"))
+        _update(model, optimizer, trainable, ids, info, workload.bf16, tracker.reset_mod_stats)
+    return _memory(tracker, model, trainable)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
+def _optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """AdamW as tirl.rl.policy.Policy makes it, with its moments allocated. foreach=True is what torch
+    picks for CUDA tensors (its temporaries are a moment's size); fake CPU tensors would get the
+    per-tensor loop."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6, foreach=True)
+    _allocate_adam_state(optimizer)
+    return optimizer, trainable
+
+
+def _update(model, optimizer, trainable, ids: torch.Tensor, info, autocast: bool, next_micro_batch) -> None:
+    """One update as tirl.rl.policy.Policy runs it: forward and backward of each micro-batch with its
+    padding mask (gradients accumulate), clipping on local shards, the optimizer step.
+    `next_micro_batch()` runs before each micro-batch after the first (the tracker's per-module stats
+    allow one forward per module; its peak spans them all)."""
+    from tirl.distributed.groups import clip_grad_norm
+    from tirl.rl.policy import token_logprobs
+
+    attn = torch.ones_like(ids)
+    for index in range(MICRO_BATCHES):
+        if index:
+            next_micro_batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logprobs, _ = token_logprobs(model, ids, attn)
+        (logprobs.sum() * info.world_size).backward()
+    clip_grad_norm(trainable, 1.0, info)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _memory(tracker, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> TrainingMemory:
     peak = tracker.get_tracker_snapshot("peak")
     stats = next(iter(peak.values())) if peak else {}
-    by_category = {getattr(k, "value", str(k)): int(v) for k, v in stats.items() if k != "Total"}
+    by_category = {_category(k): int(v) for k, v in stats.items() if k != "Total"}
+    # between steps: every parameter's shard, and AdamW's two moments of the trained ones
+    resident = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(p) * 2 for p in trainable)
     count = sum(p.numel() for p in trainable)  # a DTensor counts its whole tensor
     return TrainingMemory(int(stats.get("Total", 0)), by_category, resident, count)
+
+
+# One process's tracker names its categories as FSDP's does for the same memory.
+_ONE_PROCESS_NAMES = {"Parameter": "Sharded Param", "Gradient": "Sharded Grad", "Optstate": "OptState"}
+
+
+def _category(key) -> str:
+    name = getattr(key, "value", str(key))
+    return _ONE_PROCESS_NAMES.get(name, name)
 
 
 def _local_bytes(p: torch.Tensor) -> int:
@@ -319,29 +531,34 @@ def _local_bytes(p: torch.Tensor) -> int:
 # ---- inference: vLLM's memory budget ----
 
 
-def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
-    """K and V for every layer and KV head (vLLM's KV cache is in the model dtype by default)."""
+def kv_bytes_per_token(config, dtype_bytes: int = 2, tp: int = 1) -> int:
+    """K and V for every layer and KV head, on one GPU of a `tp`-way engine: vLLM splits the KV heads
+    over its GPUs and replicates them when there are fewer heads than GPUs (its KV cache is in the
+    model dtype by default)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+    heads = max(1, config.num_key_value_heads // tp)
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
 
 
-def engine_reserve(config, max_seqs: int) -> int:
-    """vLLM's non-KV working memory: one forward of ENGINE_BATCHED_TOKENS (the residual stream, q/k/v,
-    and the MLP's gate/up in bf16), the sampler's fp32 logits for max_seqs rows (two copies), plus CUDA
-    graphs and non-torch allocations."""
-    per_token = 2 * (4 * config.hidden_size + 3 * config.intermediate_size)
+def engine_reserve(config, max_seqs: int, tp: int = 1) -> int:
+    """vLLM's non-KV working memory per GPU: one forward of ENGINE_BATCHED_TOKENS (the residual stream
+    and, split over the `tp` GPUs, q/k/v and the MLP's gate/up in bf16), the sampler's fp32 logits for
+    max_seqs rows (two copies), plus CUDA graphs and non-torch allocations."""
+    per_token = 2 * (2 * config.hidden_size + (2 * config.hidden_size + 3 * config.intermediate_size) // tp)
     logits = 2 * 4 * max_seqs * config.vocab_size
     return ENGINE_BATCHED_TOKENS * per_token + logits + int(ENGINE_GRAPHS_AND_NON_TORCH)
 
 
 def engine_memory(config, parameters: int, gpu_memory: int, engine: dict[str, Any]) -> EngineMemory:
+    """One GPU of an engine: gpu_memory_utilization of it, less 1/tp of the weights and the reserve,
+    is KV cache; each trajectory of max_model_len tokens needs its 1/tp share of each token's KV."""
     tp = int(engine.get("tensor_parallel_size", 1))
     dtype_bytes = 4 if engine.get("dtype") == "float32" else 2
     budget = int(engine["gpu_memory_utilization"] * gpu_memory)
     weights = parameters * dtype_bytes // tp
-    reserve = engine_reserve(config, int(engine.get("max_batch_size", 256)))
+    reserve = engine_reserve(config, int(engine.get("max_batch_size", 256)), tp)
     kv = max(0, budget - weights - reserve)
-    per_token = kv_bytes_per_token(config, dtype_bytes) // tp
+    per_token = kv_bytes_per_token(config, dtype_bytes, tp)
     length = int(engine["max_model_len"])
     return EngineMemory(budget, weights, reserve, kv, per_token, length, kv // (per_token * length))
 
@@ -349,8 +566,28 @@ def engine_memory(config, parameters: int, gpu_memory: int, engine: dict[str, An
 # ---- the plan ----
 
 
-def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "") -> Plan:
-    """Measure training, size the engines, and judge both phases against the GPU's memory."""
+def allocator_slack() -> float:
+    """The allowance on the measured peak for what the CUDA caching allocator holds beyond the tensors.
+    The trainer turns expandable segments on (tirl.distributed.groups.init_distributed) unless
+    PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF is set: segments then grow in place and the waste
+    stays small (5%); with fixed segments blocks of differing micro-batch shapes fragment the pool
+    (15%, a conservative round number)."""
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if conf is None or "expandable_segments:true" in conf.lower().replace(" ", ""):
+        return 0.05
+    return 0.15
+
+
+def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "", advise: bool = True) -> Plan:
+    """Measure training, size the engines, judge each phase against the GPU's memory, and (`advise`)
+    find the config overrides that make a plan that does not fit fit (re-measured: they converge)."""
+    plan = _judge(config, cluster, workload, name, measure_training(config, cluster.gpus, workload))
+    if advise and not plan.fits:
+        plan.fixes = _fixes(config, plan)
+    return plan
+
+
+def _judge(config, cluster: ClusterShape, workload: Workload, name: str, training: TrainingMemory) -> Plan:
     from tirl.distributed.weight_sync import plan_entries
 
     model = _meta_model(config)
@@ -363,17 +600,10 @@ def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "")
 
         synced = dict(merged_tensors(apply_lora(_meta_model(config), LoraConfig(**workload.lora))))
     sync_bytes = sum(e.nbytes for e in plan_entries(model, engine_dtype, synced))
-    training = measure_training(config, cluster.gpus, workload)
+    largest = max(p.numel() for p in model.parameters()) * 4
     engine = (
         engine_memory(config, parameters, cluster.gpu_memory, workload.engine) if workload.engine else None
     )
-    colocated = cluster.colocated and engine is not None
-    training_total = int(training.peak * (1 + ALLOCATOR_SLACK) + TRAINER_CONTEXT)
-    training_total += int(ENGINE_ASLEEP) if colocated else 0
-    rollout_total = None
-    if engine is not None:
-        resident = 0 if cluster.trainer_offload else training.resident
-        rollout_total = engine.budget + (int(resident + TRAINER_CONTEXT) if colocated else 0)
     plan = Plan(
         name or getattr(config, "model_type", "model"),
         parameters,
@@ -382,48 +612,334 @@ def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "")
         training,
         engine,
         sync_bytes,
-        training_total,
-        rollout_total,
+        0,
+        None,
+        slack=allocator_slack(),
+        largest_tensor=largest,
     )
-    plan.advice = _advice(plan)
+    plan.training_total = sum(v for _, v in plan._training_terms())
+    if engine is not None:
+        plan.rollout_total = sum(v for _, v in plan._rollout_terms())
+        if cluster.colocated:
+            plan.sync_total = sum(v for _, v in plan._sync_terms())
+    plan.advice = _advice(config, plan)
     plan.fits = not plan.advice
     return plan
 
 
-def _advice(plan: Plan) -> list[str]:
-    """What to change, one item per phase that does not fit (empty when everything fits)."""
-    c, w, t = plan.cluster, plan.workload, plan.training
+def _training_fits(plan: Plan) -> bool:
+    return plan.training_total <= plan.cluster.gpu_memory
+
+
+def _advice(config, plan: Plan) -> list[str]:
+    """What does not fit, one item per phase, each naming the config keys that change it."""
+    c, w = plan.cluster, plan.workload
     out = []
-    if plan.training_total > c.gpu_memory:
-        batch, tokens = w.micro_batch
-        # Activations grow with the micro-batch; the sharded state and gathered layers do not.
-        fixed = t.by_category.get("Sharded Param", 0) + t.by_category.get("OptState", 0)
-        spare = (
-            c.gpu_memory
-            - (plan.training_total - t.peak * (1 + ALLOCATOR_SLACK))
-            - fixed * (1 + ALLOCATOR_SLACK)
-        )
-        scale = spare / max(1.0, (t.peak - fixed) * (1 + ALLOCATOR_SLACK))
-        hint = f"optim.micro_batch_tokens <= {int(batch * tokens * scale) // 1024 * 1024}"
-        if not w.gradient_checkpointing:
-            hint = "optim.gradient_checkpointing=true, or " + hint
+    if not _training_fits(plan):
         out.append(
-            f"training needs {_gb(plan.training_total)} GiB per GPU: set {hint}, or use more GPUs "
-            f"(the sharded state is {_gb(fixed)} GiB at {c.gpus})"
+            f"training needs {_gb(plan.training_total)} GiB per GPU of {_gb(c.gpu_memory)}: "
+            + _training_options(plan)
         )
-    if plan.rollout_total is not None and plan.rollout_total > c.gpu_memory:
-        room = c.gpu_memory - (plan.rollout_total - plan.engine.budget)
+    engine = plan.engine
+    if engine is None:
+        return out
+    low, high = _utilization_range(config, plan)
+    u = float(w.engine["gpu_memory_utilization"])
+    if low > high:
         out.append(
-            f"rollout needs {_gb(plan.rollout_total)} GiB per GPU: set engine.gpu_memory_utilization <= "
-            f"{math.floor(100 * room / c.gpu_memory) / 100:.2f} or offload the trainer during rollouts"
+            f"no engine.gpu_memory_utilization gives an engine room for one trajectory of "
+            f"{engine.trajectory_tokens} tokens (it needs >= {low:.2f}, the GPU leaves <= {high:.2f}): "
+            + _engine_options(config, plan)
         )
-    if plan.engine is not None and plan.engine.trajectories < 1:
+    elif u > high:
         out.append(
-            f"an engine's KV cache ({_gb(plan.engine.kv_cache)} GiB) holds no trajectory of "
-            f"{plan.engine.trajectory_tokens} tokens: raise engine.gpu_memory_utilization or "
-            "engine.tensor_parallel_size, or lower engine.max_model_len"
+            f"rollout needs {_gb(plan.rollout_total)} GiB per GPU: set engine.gpu_memory_utilization={high:.2f}"
+        )
+    elif u < low:
+        out.append(
+            f"an engine's KV cache ({_gb(engine.kv_cache)} GiB) holds no trajectory of {engine.trajectory_tokens} "
+            f"tokens: set engine.gpu_memory_utilization={min(high, 0.9):.2f}"
+        )
+    if plan.sync_total is not None and plan.sync_total > c.gpu_memory:
+        out.append(
+            f"the weight sync needs {_gb(plan.sync_total)} GiB per GPU (the woken engine's weights next to the "
+            "trainer's parameters): use more GPUs (smaller parameter shards) or a larger "
+            "engine.tensor_parallel_size (smaller engine weights per GPU)"
         )
     return out
+
+
+def _training_options(plan: Plan) -> str:
+    w = plan.workload
+    b, n = w.micro_batch
+    key = _length_key(w)
+    options = []
+    if b > 1:
+        options.append(f"fewer tokens per micro-batch (optim.micro_batch_tokens, at least {key}={n})")
+    if not w.gradient_checkpointing:
+        options.append("optim.gradient_checkpointing=true")
+    if not w.lora:
+        options.append("optim.lora.enabled=true")
+    options.append(
+        f"more GPUs (torchrun --nproc_per_node, or cluster.trainer.ranks on Ray; the sharded state is "
+        f"{_gb(plan.training.parameter_bytes + plan.training.by_category.get('OptState', 0))} GiB at {plan.cluster.gpus})"
+    )
+    options.append(f"a shorter {key} (`tirl plan --largest context` finds the longest that fits)")
+    return ", or ".join(options)
+
+
+def _length_key(w: Workload) -> str:
+    return "engine.max_model_len" if w.engine is not None else "max_length"
+
+
+def _utilization_range(config, plan: Plan, engine: dict | None = None) -> tuple[float, float]:
+    """The engine.gpu_memory_utilization values that work, to 2 decimals: at least enough for one
+    trajectory of max_model_len, at most what the rest of the GPU leaves while generating."""
+    c = plan.cluster
+    e = engine_memory(
+        config,
+        plan.parameters,
+        c.gpu_memory,
+        (engine or plan.workload.engine) | {"gpu_memory_utilization": 1.0},
+    )
+    need = e.weights + e.reserve + e.kv_per_token * e.trajectory_tokens
+    low = math.ceil(100 * need / c.gpu_memory) / 100
+    beside = (plan.rollout_total or 0) - plan.engine.budget  # the trainer's share while generating
+    high = min(1.0, math.floor(100 * (c.gpu_memory - beside) / c.gpu_memory) / 100)
+    return low, high
+
+
+def _engine_options(config, plan: Plan) -> str:
+    options = []
+    tp = _tensor_parallel_fix(config, plan)
+    if tp is not None:
+        options.append(f"set engine.tensor_parallel_size={tp}")
+    length = _max_model_len_fix(config, plan)
+    if length is not None:
+        options.append(f"set engine.max_model_len={length}")
+    return ", or ".join(options) or "use GPUs with more memory"
+
+
+def _tensor_parallel_fix(config, plan: Plan) -> int | None:
+    """The smallest tensor-parallel size (a divisor of the attention heads, up to 8) with room."""
+    engine = plan.workload.engine
+    for tp in (2, 4, 8):
+        if tp <= int(engine.get("tensor_parallel_size", 1)) or config.num_attention_heads % tp:
+            continue
+        low, high = _utilization_range(config, plan, engine | {"tensor_parallel_size": tp})
+        if low <= high:
+            return tp
+    return None
+
+
+def _max_model_len_fix(config, plan: Plan) -> int | None:
+    """The longest max_model_len (a multiple of 1024) with room for one trajectory."""
+    engine = plan.workload.engine
+    length = (int(engine["max_model_len"]) - 1) // 1024 * 1024
+    while length >= 1024:
+        low, high = _utilization_range(config, plan, engine | {"max_model_len": length})
+        if low <= high:
+            return length
+        length -= 1024
+    return None
+
+
+# ---- fixes: overrides that make it fit, each checked by planning again ----
+
+
+def _fixes(config, plan: Plan) -> dict[str, str]:
+    """Config overrides that make `plan` fit, checked by planning again with them (so applying them
+    converges): the engine's from its arithmetic, then training's by measuring (fewer sequences per
+    micro-batch; then, at one sequence, gradient checkpointing, then LoRA). Empty when none is found."""
+    w = plan.workload
+    engine_fix = _engine_fix(config, plan) if w.engine is not None else {}
+    if engine_fix is None:
+        return {}
+    fixes = {f"engine.{k}": str(v) for k, v in engine_fix.items()}
+    workload, training = w, plan.training
+    if engine_fix:
+        engine = w.engine | engine_fix
+        length = int(engine["max_model_len"])
+        workload = replace(w, engine=engine, micro_batch=micro_batch_shape(_tokens(w), length))
+        if workload.micro_batch != w.micro_batch:
+            training = measure_training(config, plan.cluster.gpus, workload)
+    final = _judge(config, plan.cluster, workload, plan.architecture, training)
+    if not _training_fits(final):
+        found = _training_fix(config, final)
+        if found is None:
+            return {}
+        final, training_fixes = found
+        fixes |= training_fixes
+    return fixes if final.fits else {}
+
+
+def _tokens(w: Workload) -> int:
+    return w.micro_batch[0] * w.micro_batch[1]
+
+
+def _engine_fix(config, plan: Plan) -> dict[str, Any] | None:
+    """The engine settings that make its phases fit: one gpu_memory_utilization inside the range that
+    works, else a tensor-parallel size or a shorter max_model_len with room (None: nothing works)."""
+    engine = plan.workload.engine
+    low, high = _utilization_range(config, plan)
+    u = float(engine["gpu_memory_utilization"])
+    if low <= high:
+        return (
+            {}
+            if low <= u <= high
+            else {"gpu_memory_utilization": high if u > high else min(high, max(low, 0.9))}
+        )
+    for key, value in (
+        ("tensor_parallel_size", _tensor_parallel_fix(config, plan)),
+        ("max_model_len", _max_model_len_fix(config, plan)),
+    ):
+        if value is not None:
+            low, high = _utilization_range(config, plan, engine | {key: value})
+            return {key: value} | (
+                {} if low <= u <= high else {"gpu_memory_utilization": high if u > high else low}
+            )
+    return None
+
+
+def _training_fix(config, plan: Plan) -> tuple[Plan, dict[str, str]] | None:
+    """A training setting that fits, measured: the most sequences per micro-batch that fit; at one
+    sequence, gradient checkpointing and then LoRA (rank 16, all linear layers) on as well."""
+    w = plan.workload
+    b, n = w.micro_batch
+    one = plan if b == 1 else _plan_with(config, plan, replace(w, micro_batch=(1, n)))
+    fixes = {} if b == 1 else {"optim.micro_batch_tokens": str(n)}
+    if _training_fits(one):
+        best = _most_sequences(config, plan, one)
+        return best, {"optim.micro_batch_tokens": str(_tokens(best.workload))}
+    for key, change in (
+        ("optim.gradient_checkpointing", {"gradient_checkpointing": True}),
+        ("optim.lora.enabled", {"lora": DEFAULT_LORA}),
+    ):
+        if getattr(one.workload, next(iter(change))):
+            continue
+        one = _plan_with(config, one, replace(one.workload, **change))
+        fixes[key] = "true"
+        if _training_fits(one):
+            return one, fixes
+    return None
+
+
+# LoRA as `optim.lora.enabled=true` alone sets it (tirl.rl.config.LoraConfig's defaults).
+DEFAULT_LORA: dict[str, Any] = dict(
+    enabled=True, rank=16, alpha=32.0, dropout=0.0, target_modules=["all-linear"], init_seed=0
+)
+
+
+def _plan_with(config, plan: Plan, workload: Workload) -> Plan:
+    return _judge(
+        config,
+        plan.cluster,
+        workload,
+        plan.architecture,
+        measure_training(config, plan.cluster.gpus, workload),
+    )
+
+
+def _most_sequences(config, full: Plan, one: Plan) -> Plan:
+    """The largest micro-batch below `full`'s that fits, given `one` (one sequence) fits: the peak grows
+    linearly with the sequences, so the two measurements predict it; measured, then stepped down."""
+    b, n = full.workload.micro_batch
+    if b <= 1:
+        return one
+    fixed = one.training_total - one.training.peak * (1 + one.slack)
+    limit = (full.cluster.gpu_memory - fixed) / (1 + one.slack)
+    per_sequence = max(1.0, (full.training.peak - one.training.peak) / (b - 1))
+    guess = min(b - 1, 1 + int((limit - one.training.peak) // per_sequence))
+    while guess > 1:
+        candidate = _plan_with(config, one, replace(one.workload, micro_batch=(guess, n)))
+        if _training_fits(candidate):
+            return candidate
+        guess -= 1
+    return one
+
+
+# ---- the largest setting that fits ----
+
+LARGEST = ("micro-batch", "context", "model")
+
+
+def largest(
+    config, cluster: ClusterShape, workload: Workload, what: str, name: str = ""
+) -> tuple[str, Any, Plan]:
+    """The largest micro-batch (optim.micro_batch_tokens), context (engine.max_model_len, or max_length
+    for SFT) or model (of the Qwen3 family) whose whole plan fits: (config key, value, its plan), or
+    (key, None, the smallest candidate's plan) when none fits. Each candidate is measured: a few plans'
+    time."""
+    if what == "micro-batch":
+        return _largest_micro_batch(config, cluster, workload, name)
+    if what == "context":
+        return _largest_context(config, cluster, workload, name)
+    if what == "model":
+        return _largest_model(cluster, workload)
+    raise ValueError(f"--largest {what}: expected one of {', '.join(LARGEST)}")
+
+
+def _largest_micro_batch(config, cluster, workload, name) -> tuple[str, Any, Plan]:
+    n = workload.micro_batch[1]
+    one = make_plan(config, cluster, replace(workload, micro_batch=(1, n)), name, advise=False)
+    if not one.fits:
+        return "optim.micro_batch_tokens", None, one
+    two = make_plan(config, cluster, replace(workload, micro_batch=(2, n)), name, advise=False)
+    if not two.fits:
+        return "optim.micro_batch_tokens", n, one
+    # as _most_sequences, from one and two sequences, capped at 256 sequences
+    far = replace(two, workload=replace(two.workload, micro_batch=(256, n)))
+    far.training = replace(
+        two.training, peak=two.training.peak + 254 * (two.training.peak - one.training.peak)
+    )
+    best = _most_sequences(config, far, one)
+    best = best if _tokens(best.workload) >= 2 * n else two
+    return "optim.micro_batch_tokens", _tokens(best.workload), best
+
+
+def _largest_context(config, cluster, workload, name) -> tuple[str, Any, Plan]:
+    """Binary search over multiples of 1024 up to the model's max_position_embeddings; the micro-batch
+    keeps its token budget (at least one sequence)."""
+    budget = _tokens(workload)
+
+    def plan_at(length: int) -> Plan:
+        engine = workload.engine | {"max_model_len": length} if workload.engine else None
+        shape = micro_batch_shape(budget, length)
+        return make_plan(
+            config, cluster, replace(workload, engine=engine, micro_batch=shape), name, advise=False
+        )
+
+    best = plan_at(1024)
+    if not best.fits:
+        return _length_key(workload), None, best
+    low, high = 1, getattr(config, "max_position_embeddings", 32768) // 1024
+    while low < high:
+        mid = (low + high + 1) // 2
+        candidate = plan_at(mid * 1024)
+        if candidate.fits:
+            low, best = mid, candidate
+        else:
+            high = mid - 1
+    return _length_key(workload), low * 1024, best
+
+
+def _largest_model(cluster, workload) -> tuple[str, Any, Plan]:
+    """Down the Qwen3 family from the largest, the first whose plan fits."""
+    for arch in sorted(QWEN3, key=lambda a: -parameter_count(architecture_config(a))):
+        plan = make_plan(architecture_config(arch), cluster, workload, arch, advise=False)
+        if plan.fits:
+            return "model", arch, plan
+    return "model", None, plan
+
+
+def largest_for_config(cfg, cluster: ClusterShape, what: str, arch: str | None = None) -> tuple[str, Plan]:
+    """`tirl plan --largest WHAT`: one line with the answer, and the plan of that setting (of the
+    smallest candidate when nothing fits)."""
+    spec = arch or cfg.model
+    key, value, plan = largest(architecture_config(spec), cluster, workload_of(cfg), what, spec)
+    if value is None:
+        return f"nothing fits: not even the smallest {key} (its plan below)", plan
+    return f"largest {key} that fits: {value}", plan
 
 
 # ---- from a tirl config ----
@@ -459,6 +975,19 @@ def colocated_by_config(cfg) -> bool:
     return cluster is not None and (cluster.backend == "local" or cluster.colocate)
 
 
+def cluster_of(
+    cfg, gpus: int, gpu_memory: int, colocated: bool | None = None, trainer_offload: bool | None = None
+) -> ClusterShape:
+    """The cluster shape of a config on `gpus` GPUs of `gpu_memory` bytes: colocated as the config says
+    unless told, and the trainer offloaded during rollouts when colocated and synchronous, as
+    tirl.rl.trainer does (async runs cannot colocate)."""
+    shared = colocated_by_config(cfg) if colocated is None else colocated
+    if trainer_offload is None:
+        algorithm = getattr(cfg, "algorithm", None)
+        trainer_offload = shared and not (algorithm is not None and algorithm.async_)
+    return ClusterShape(gpus, gpu_memory, shared, trainer_offload)
+
+
 def plan_for_config(cfg, cluster: ClusterShape, arch: str | None = None) -> Plan:
     spec = arch or cfg.model
     return make_plan(architecture_config(spec), cluster, workload_of(cfg), spec)
@@ -468,14 +997,26 @@ def plan_for_config(cfg, cluster: ClusterShape, arch: str | None = None) -> Plan
 
 
 def preflight_cluster(cfg) -> ClusterShape | None:
-    """The cluster this process is about to train on, or None without CUDA (nothing to check)."""
+    """The cluster this process is about to train on, or None without CUDA (nothing to check): Ray's
+    trainer ranks or torchrun's WORLD_SIZE, each GPU as large as this process's first one."""
     if not torch.cuda.is_available():
         return None
     cluster = getattr(cfg, "cluster", None)
     ranks = cluster.trainer.ranks if cluster is not None and cluster.backend == "ray" else None
     world = ranks or int(os.environ.get("WORLD_SIZE", "1"))
     memory = torch.cuda.get_device_properties(0).total_memory
-    return ClusterShape(world, memory, colocated_by_config(cfg))
+    return cluster_of(cfg, world, memory)
+
+
+def preflight_command(
+    cfg, cluster: ClusterShape, config_path: str, overrides: list[str], kind: str
+) -> list[str]:
+    """The `tirl plan` command line the preflight runs for `cluster`."""
+    cmd = [sys.executable, "-m", "tirl.cli", "plan", "--kind", kind, "--config", config_path]
+    cmd += ["--gpus", str(cluster.gpus), "--gpu-memory", f"{cluster.gpu_memory / GiB:.3f}"]
+    cmd += ["--colocate" if cluster.colocated else "--separate"]
+    cmd += ["--trainer-offload" if cluster.trainer_offload else "--no-trainer-offload"]
+    return [*cmd, *overrides]
 
 
 def memory_preflight(cfg, config_path: str, overrides: list[str], kind: str) -> list[str]:
@@ -486,14 +1027,14 @@ def memory_preflight(cfg, config_path: str, overrides: list[str], kind: str) -> 
     cluster = preflight_cluster(cfg)
     if cluster is None or os.environ.get("TIRL_SKIP_PLAN") == "1":
         return []
-    cmd = [sys.executable, "-m", "tirl.cli", "plan", "--kind", kind, "--config", config_path]
-    cmd += ["--gpus", str(cluster.gpus), "--gpu-memory", f"{cluster.gpu_memory / GiB:.3f}"]
-    cmd += ["--colocate" if cluster.colocated else "--separate", *overrides]
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
     }
+    cmd = preflight_command(cfg, cluster, config_path, overrides, kind)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    verdict = (proc.stdout.strip().splitlines() or [proc.stderr.strip()[-500:]])[-1]
+    lines = proc.stdout.strip().splitlines()
+    verdict = next((line for line in reversed(lines) if line.startswith(("FITS", "DOES NOT FIT"))), None)
+    verdict = verdict or (lines or [proc.stderr.strip()[-500:]])[-1]
     if proc.returncode == 1:  # measured and does not fit
         raise ConfigError(f"memory plan: {verdict} (TIRL_SKIP_PLAN=1 skips this check)")
     if proc.returncode != 0:
