@@ -17,9 +17,9 @@ from tirl.distributed.weight_sync import (
     Lazy,
     SyncChannel,
     SyncGroup,
-    _full,
     _pack,
     free_port,
+    gathered,
     layer_group,
     plan_buckets,
     plan_entries,
@@ -283,16 +283,16 @@ def test_plan_entries_of_given_tensors_in_their_order_lazy_ones_left_unmade():
     assert made == []
 
 
-def test_full_makes_a_lazy_tensor_gathers_a_shard_and_passes_a_plain_tensor():
+def test_gathered_makes_a_lazy_tensor_gathers_a_shard_and_passes_a_plain_tensor():
     t = torch.arange(3.0)
 
     class Shard:  # a DTensor's stand-in: full_tensor() is the all-gather
         def full_tensor(self):
             return t + 1
 
-    assert _full(t) is t
-    assert torch.equal(_full(Lazy((3,), torch.float32, lambda: t * 2)), t * 2)
-    assert torch.equal(_full(Shard()), t + 1)
+    assert gathered(t) is t
+    assert torch.equal(gathered(Lazy((3,), torch.float32, lambda: t * 2)), t * 2)
+    assert torch.equal(gathered(Shard()), t + 1)
 
 
 def _wire_bytes(t: torch.Tensor, dtype: torch.dtype) -> list[int]:

@@ -194,9 +194,6 @@ def gathered(param: Source) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
-_full = gathered  # its earlier name, which tests/runtime/test_weight_sync_mutants.py imports
-
-
 def _pack(buf: torch.Tensor | None, bucket: list[Entry], params: dict[str, Source]) -> None:
     """Each parameter gathered and cast into its slot of `buf`: one copy, no staging tensor. Every
     FSDP rank runs the gathers (collectives) even where only rank 0 has a buffer."""
