@@ -11,13 +11,15 @@ Three departures from plain PyYAML, both so that what the docs write works as wr
 
 from __future__ import annotations
 
+import os
 import re
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -170,11 +172,14 @@ def _message(err: dict) -> str:
     return f"{err['msg']}{shown}"
 
 
-def ensure_writable_dir(path: str | Path, what: str) -> Path:
-    """Create directory `path` (and its parents) and check that it can be written, before a long job."""
+def ensure_writable_dir(path: str | Path, what: str, private: bool = False) -> Path:
+    """Create directory `path` (and its parents) and check that it can be written, before a long job.
+    `private`: the directory is its owner's only (0700), as a run directory is."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
+        if private:
+            path.chmod(0o700)
         probe = path / ".tirl-write-check"
         probe.write_text("")
         probe.unlink()
@@ -185,5 +190,70 @@ def ensure_writable_dir(path: str | Path, what: str) -> Path:
     return path
 
 
+# ---- secrets: never written to disk ----
+#
+# A field typed `Secret` (an API key, a bearer token) takes the value itself, `env:NAME` (read from
+# that environment variable) or `file:PATH` (the file's first line, e.g. a 0600 file of its own), and
+# is written as null in every saved config and report (`redacted_dump`).
+
+SECRET_MARK = {"secret": True}
+
+
+def _resolve_secret(value: object) -> object:
+    if not isinstance(value, str):
+        return value
+    if value.startswith("env:"):
+        name = value[4:]
+        if name not in os.environ:
+            raise ValueError(f"{value}: the environment variable {name} is not set")
+        return os.environ[name]
+    if value.startswith("file:"):
+        path = Path(value[5:]).expanduser()
+        try:
+            return path.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"{value}: cannot read {path} ({e.strerror})") from None
+    return value
+
+
+Secret = Annotated[str | None, BeforeValidator(_resolve_secret), Field(json_schema_extra=SECRET_MARK)]
+
+
+def is_secret(field: FieldInfo) -> bool:
+    return isinstance(field.json_schema_extra, dict) and bool(field.json_schema_extra.get("secret"))
+
+
+def redacted_dump(cfg: BaseModel) -> dict[str, Any]:
+    """cfg.model_dump(mode="json", by_alias=True) with every Secret field (at any depth) set to null."""
+    data = cfg.model_dump(mode="json", by_alias=True)
+    _redact(cfg, data)
+    return data
+
+
+def _redact(model: BaseModel, data: dict[str, Any]) -> None:
+    for name, field in type(model).model_fields.items():
+        key = field.alias or name
+        if key not in data:
+            continue
+        value = getattr(model, name)
+        if is_secret(field):
+            data[key] = None
+        elif isinstance(value, BaseModel) and isinstance(data[key], dict):
+            _redact(value, data[key])
+        elif isinstance(value, list | tuple) and isinstance(data[key], list):
+            for item, dumped in zip(value, data[key], strict=False):
+                if isinstance(item, BaseModel) and isinstance(dumped, dict):
+                    _redact(item, dumped)
+
+
+def write_private(path: str | Path, text: str) -> None:
+    """Write `text` to a file only its owner can read (0600, also when it existed before)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 def dump_config(cfg: BaseModel, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False))
+    """The config as YAML, secrets redacted, readable by its owner only."""
+    write_private(path, yaml.safe_dump(redacted_dump(cfg), sort_keys=False))

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tirl.config import Secret
+
 
 class RemoteServers(BaseModel):
     """engine.backend=remote: inference servers started elsewhere (`vllm serve`, SGLang), one engine per URL."""
@@ -15,7 +17,7 @@ class RemoteServers(BaseModel):
     urls: list[str] = Field(default_factory=list)  # e.g. ["http://10.0.0.5:8000"]
     api: Literal["vllm", "sglang"] = "vllm"  # which server speaks at the URLs
     served_model: str = ""  # the name the server serves the model under ("": ask its /v1/models)
-    api_key: str | None = None  # sent as a Bearer token (else $TIRL_ENGINE_API_KEY when set)
+    api_key: Secret = None  # sent as a Bearer token (else $TIRL_ENGINE_API_KEY); env:NAME, file:PATH
     weights_dir: str = ""  # storage both sides see: load_weights writes there, the servers reload it
     start_timeout_s: float = Field(600.0, gt=0)  # wait this long for every server to answer /health
     request_timeout_s: float = Field(3600.0, gt=0)  # one turn's generation

@@ -18,6 +18,7 @@ from rich.progress import (
 )
 
 from tirl.agent.trajectory import Trajectory
+from tirl.config import redacted_dump
 from tirl.data.problem import Problem
 from tirl.eval.config import EvalConfig
 from tirl.eval.metrics import ProblemResult, benchmark_metrics, cluster_answers, majority_vote
@@ -56,7 +57,7 @@ async def evaluate(
     results = await asyncio.gather(
         *(_problem_result(p, g, reward_pool) for p, g in zip(flat, groups, strict=True))
     )
-    report = EvalReport(benchmarks={}, config=cfg.model_dump(mode="json"))
+    report = EvalReport(benchmarks={}, config=redacted_dump(cfg))
     start = 0
     for name, ps in benchmarks.items():
         stop = start + len(ps)

@@ -275,6 +275,7 @@ def export_model(source: str | Path, out: str | Path) -> str:
     the base it names) or a model directory (copied). An existing model directory at `out` is replaced;
     any other non-empty one is refused. Returns what was done, in one line."""
     from tirl.rl.lora import adapter_base, build_dir, is_model_dir, merge_adapter
+    from tirl.rl.model_files import check_links, copy_model_dir
 
     src, out = Path(source).expanduser(), Path(out).expanduser()
     if not src.is_dir():
@@ -297,7 +298,8 @@ def export_model(source: str | Path, out: str | Path) -> str:
         merge_adapter(found.adapter, out, replace=True)
         return f"wrote {out}{replaced}: the adapter {found.adapter} merged into its base {adapter_base(found.adapter)}"
     model = found.model
-    build_dir(out, lambda tmp: shutil.copytree(model, tmp, dirs_exist_ok=True), replace=True)
+    check_links(model, "model")  # refused before --out is touched
+    build_dir(out, lambda tmp: copy_model_dir(model, tmp), replace=True)
     return f"wrote {out}{replaced}: a copy of {model}"
 
 
@@ -326,7 +328,7 @@ def prepare_run_dir(
         for name in started:
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        ensure_writable_dir(run_dir, "run directory (output_dir/run_name)")
+        ensure_writable_dir(run_dir, "run directory (output_dir/run_name)", private=True)
         dump_config(cfg, run_dir / "config.yaml")
     return None
 

@@ -23,6 +23,7 @@ import torch
 from tirl.config import ConfigError
 from tirl.distributed.weight_sync import Lazy
 from tirl.rl.config import LoraConfig
+from tirl.rl.model_files import check_links
 
 INSTALL = "pip install 'tirl[lora]'"
 ALL_LINEAR = "all-linear"
@@ -276,6 +277,7 @@ def _fresh_dir(beside: Path) -> Path:
 
 
 def _write_merged(adapter_dir: Path, out: Path) -> None:
+    check_links(adapter_dir, "adapter")  # its files are copied beside the merge: none may lead outside it
     peft = require_peft()
     from transformers import AutoModelForCausalLM
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tirl.config import ConfigError
+from tirl.config import ConfigError, redacted_dump
 from tirl.data.loaders import DataError, read_jsonl
 from tirl.distributed.groups import all_reduce, init_distributed, shutdown_distributed
 from tirl.rl.checkpoint import load_trainer_state, prepare_run_dir, resolve_model_path
@@ -145,7 +145,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path
             f"{cfg.epochs} epochs x {per_epoch} steps"
         )
         logger = (
-            MetricsLogger(cfg.run_dir, cfg.logging, cfg.model_dump(mode="json")) if info.is_main else None
+            MetricsLogger(cfg.run_dir, cfg.logging, redacted_dump(cfg)) if info.is_main else None
         )
         if logger and ckpt:
             logger.truncate_after(start)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from tirl.agent.protocol import check_context
-from tirl.config import ConfigError
+from tirl.config import ConfigError, redacted_dump
 from tirl.distributed.groups import (
     DistInfo,
     broadcast_object,
@@ -326,7 +326,7 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
         raise ConfigError(
             "algorithm.kl_coef > 0 (a reference model) is supported in single-process runs only"
         )
-    logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.model_dump(mode="json")) if info.is_main else None
+    logger = MetricsLogger(cfg.run_dir, cfg.logging, redacted_dump(cfg)) if info.is_main else None
     if logger and saved:
         logger.truncate_after(state.step)
         trajectory_sample.truncate_after(cfg.run_dir, state.step)

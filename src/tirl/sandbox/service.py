@@ -25,6 +25,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from tirl import lifetime
+from tirl.config import Secret
 from tirl.sandbox.client import SandboxClient
 from tirl.sandbox.limits import DEFAULT_LIMITS, Limits, MiB
 from tirl.sandbox.pool import Sandbox
@@ -38,7 +39,7 @@ class SandboxConfig(BaseModel):
 
     mode: Literal["local", "remote", "inprocess"] = "local"
     endpoints: list[str] = Field(default_factory=list, description="service URLs (mode=remote)")
-    token: str | None = Field(None, description="bearer token of the remote services")
+    token: Secret = Field(None, description="bearer token of the remote services (env:NAME, file:PATH)")
     slots: int | None = Field(None, ge=1, description="parallel executions (default: CPU cores)")
     timeout_s: float = Field(DEFAULT_LIMITS.timeout_s, gt=0, description="default wall-time limit per call")
     memory_mb: int = Field(DEFAULT_LIMITS.memory_mb, ge=32)
