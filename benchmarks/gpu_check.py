@@ -371,6 +371,9 @@ def part_memory(ctx: Ctx) -> Result:
 # ---- colocated: offload, checkpoint, export, resume ----
 
 
+COLOCATED_LR = {"full": 1e-5, "lora": 1e-3}
+
+
 def _small_model(ctx: Ctx) -> Path:
     return save_random_model(ctx.sizes.small_width, ctx.sizes.small_layers, ctx.work / "small", ctx.device)
 
@@ -397,7 +400,7 @@ def colocated_round(ctx: Ctx, lora: bool) -> dict:
     from tirl.rl.policy import Policy
 
     model_dir = _small_model(ctx)
-    optim = optim_config(ctx, micro_batch_tokens=96, lr=1e-3 if lora else 1e-5)
+    optim = optim_config(ctx, micro_batch_tokens=96, lr=COLOCATED_LR["lora" if lora else "full"])
     if lora:
         optim = optim.model_copy(update={"lora": LoraConfig(enabled=True, rank=8, alpha=16)})
     info = DistInfo(0, 1, ctx.device)
@@ -449,8 +452,10 @@ def part_colocated(ctx: Ctx) -> Result:
     n: dict = {}
     for kind in ("full", "lora"):
         n |= {f"{kind}_{k}": v for k, v in colocated_round(ctx, kind == "lora").items()}
-    tolerance = 0.0 if not ctx.cuda else 1e-6  # GPU kernels may not be bit-deterministic: reported anyway
-    ok = all(n[f"{k}_resume_max_diff"] <= tolerance for k in ("full", "lora"))
+    # GPU kernels with atomics need not repeat bit for bit: there the resumed step must agree to 1% of
+    # one step's size (AdamW moves a weight by about lr); resume_exact says whether it was bitwise
+    scale = 0.01 if ctx.cuda else 0.0
+    ok = all(n[f"{k}_resume_max_diff"] <= scale * COLOCATED_LR[k] for k in ("full", "lora"))
     ok &= all(n[f"{k}_export_matches"] <= 1e-2 for k in ("full", "lora"))  # LoRA merge: bf16 base
     ok &= all(n[f"{k}_offloaded"] == ctx.cuda for k in ("full", "lora"))
     notes = [
@@ -668,19 +673,34 @@ def train_run(ctx: Ctx, model: Path, data: Path, dtype: str, sandbox: str) -> di
     return out
 
 
+def cuda_only_tests(root: Path = ROOT) -> list[str]:
+    """Node ids of the suite's tests that skip without CUDA (`skipif(not torch.cuda.is_available())`)."""
+    import ast
+
+    found = []
+    for path in sorted((root / "tests").rglob("test_*.py")):
+        text = path.read_text()
+        if "cuda.is_available()" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test"):
+                marks = [ast.unparse(d) for d in node.decorator_list]
+                if any("skipif" in m and "cuda.is_available()" in m for m in marks):
+                    found.append(f"{path.relative_to(root)}::{node.name}")
+    return found
+
+
 def cuda_tests(ctx: Ctx) -> dict:
-    """The suite's CUDA-only tests (the files that skip without CUDA), run as pytest runs them."""
-    files = sorted(
-        str(p.relative_to(ROOT))
-        for p in (ROOT / "tests").rglob("test_*.py")
-        if "cuda.is_available()" in p.read_text()
-    )
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files]
+    """The suite's CUDA-only tests, run as pytest runs them."""
+    tests = cuda_only_tests()
+    if not tests:
+        return {"cuda_tests": [], "cuda_tests_rc": 0, "cuda_tests_summary": "none found"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, env=ctx.env, timeout=max(30.0, ctx.left() - 10), cwd=ROOT
     )
     tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else [proc.stderr.strip()[-300:]]
-    return {"cuda_test_files": files, "cuda_tests_rc": proc.returncode, "cuda_tests_summary": tail[0]}
+    return {"cuda_tests": tests, "cuda_tests_rc": proc.returncode, "cuda_tests_summary": tail[0]}
 
 
 def part_e2e(ctx: Ctx) -> Result:
@@ -759,15 +779,14 @@ def device_line(device: torch.device) -> str:
 
 
 def install_wheels(folder: Path, target: Path) -> None:
-    """The wheels `make gpu-wheels` downloaded, installed without an index into `target`, which this
-    process and its children then import from (the image's own packages stay as they are)."""
+    """The wheels `make gpu-wheels` downloaded, installed without an index into `target` (the image's
+    own packages stay as they are)."""
     wheels = sorted(str(p) for p in folder.glob("*.whl"))
     if not wheels:
         raise SystemExit(f"--wheels {folder}: no wheels there (run `make gpu-wheels` first)")
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
     cmd += ["--no-cache-dir", "--upgrade", "--target", str(target), "--find-links", str(folder), *wheels]
     subprocess.run(cmd, check=True)
-    sys.path.insert(1, str(target))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -795,18 +814,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def restart_with_wheels(argv: list[str], wheels: Path) -> None:
+    """Install the wheels, then run this script again with them importable from the start (torch is
+    imported already, and with it the image's typing_extensions, which pydantic wants newer)."""
+    site = Path(tempfile.gettempdir()) / "tirl-gpu-check-site"
+    install_wheels(wheels, site)
+    rest = [a for i, a in enumerate(argv) if a != "--wheels" and (i == 0 or argv[i - 1] != "--wheels")]
+    rest = [a for a in rest if not a.startswith("--wheels=")]
+    path = os.pathsep.join(x for x in (str(ROOT / "src"), str(site), os.environ.get("PYTHONPATH")) if x)
+    sys.stdout.flush()
+    os.execve(
+        sys.executable,
+        [sys.executable, str(Path(__file__).resolve()), *rest],
+        os.environ | {"PYTHONPATH": path},
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.wheels:
+        restart_with_wheels(argv, Path(args.wheels))
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="tirl-gpu-check-"))
-    pythonpath = [str(ROOT / "src")]
-    if args.wheels:
-        install_wheels(Path(args.wheels), work / "site")
-        pythonpath.append(str(work / "site"))
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    }
-    os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the plan's spawned child imports tirl too
+    path = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)
+    os.environ["PYTHONPATH"] = path  # tirl importable in the children: tirl train, pytest, the plan's
+    env = dict(os.environ)
     device = torch.device(args.device)
     ctx = Ctx(device, Sizes.for_device(args.device), work, start + args.budget_s, args.layers, env)
     header = {"device": device_line(device), "date": datetime.date.today().isoformat(), "commit": _commit()}

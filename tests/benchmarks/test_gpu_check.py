@@ -106,3 +106,9 @@ def test_an_unknown_part_is_one_line(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--only", "memory,nope"])
     assert "unknown part(s) ['nope']" in capsys.readouterr().err
+
+
+def test_the_cuda_only_tests_are_found_by_their_skip_mark():
+    tests = gpu_check.cuda_only_tests()
+    assert "tests/engines/test_hf.py::test_sleep_on_a_gpu_frees_the_weights_and_wakes_up_the_same" in tests
+    assert all("::test" in t for t in tests)
