@@ -404,8 +404,10 @@ class ChatRecorder:
                     added = await self._add_messages(rec, messages)
                 return await self._generate(rec, req, added)
             except BaseException:
-                if fresh:
-                    await self._drop(trajectory_id, "its first request failed")
+                if fresh:  # the lease goes back; the id stays usable for a retry
+                    await self._drop(trajectory_id, "")
+                    with self._issued_lock:
+                        self._issued[trajectory_id] = time.monotonic()
                 else:
                     rec.restore(state)
                 raise
@@ -620,9 +622,10 @@ class ChatRecorder:
     async def _drop(self, trajectory_id: str, why: str) -> None:
         """Forget a trajectory and give its engine lease back."""
         rec = self._recordings.pop(trajectory_id, None)
-        self._gone[trajectory_id] = why
-        while len(self._gone) > 4096:
-            self._gone.popitem(last=False)
+        if why:
+            self._gone[trajectory_id] = why
+            while len(self._gone) > 4096:
+                self._gone.popitem(last=False)
         if rec is not None:
             await rec.stack.aclose()
 
