@@ -31,7 +31,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	$(VENV)/bin/pytest -q
+	@# the 25 slowest tests, so CI's log records them (docs/development.md lists the slowest 20)
+	$(VENV)/bin/pytest -q --durations=25
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow and not vllm"
