@@ -23,6 +23,7 @@ def main(out: str) -> None:
     from tirl.engines.base import SingleEnginePool
     from tirl.rl.trainer import Run, TrainerState, rl_step
     from tirl.runtime.base import Runtime
+    from tirl.runtime.config import ClusterConfig
 
     info = init_distributed("cpu")
     events = Events()
@@ -36,7 +37,10 @@ def main(out: str) -> None:
             for i in range(info.world_size)
         ]
         runtime = Runtime(engines, SingleEnginePool(engines[0]), executor=None, scorer=None, tokenizer=None)
-    cfg = SimpleNamespace(algorithm=SimpleNamespace(async_=False), cluster=SimpleNamespace(colocated=True))
+    cfg = SimpleNamespace(
+        algorithm=SimpleNamespace(async_=False),
+        cluster=ClusterConfig(),
+    )
     # the update half of the step on every rank (the rollout half is rank 0's alone)
     half = SimpleNamespace(is_main=False, enabled=True, rank=info.rank, world_size=info.world_size)
     run = Run(cfg, half, learner, runtime, TrainerState(), logger=None, alerts=None)

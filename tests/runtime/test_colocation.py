@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from tirl.engines.base import KVCapacity, SingleEnginePool, StagedWake
 from tirl.rl.trainer import Run, TrainerState, rl_step
 from tirl.runtime.base import Runtime
+from tirl.runtime.config import ClusterConfig
 
 DELAY = 0.3  # seconds each fake engine takes to sleep or wake
 
@@ -118,7 +119,9 @@ async def test_rl_step_hands_memory_over_in_order():
     trainer parameters off -> engine KV cache on."""
     log = Log()
     cfg = SimpleNamespace(
-        algorithm=SimpleNamespace(async_=False), cluster=SimpleNamespace(colocated=True), run_dir=None
+        algorithm=SimpleNamespace(async_=False),
+        cluster=ClusterConfig(),
+        run_dir=None,
     )
     info = SimpleNamespace(is_main=False, enabled=False)  # the update/sync half of the step
     run = Run(cfg, info, FakeLearner(log), _runtime(log, 2), TrainerState(), logger=None, alerts=None)

@@ -26,6 +26,7 @@ from tirl.engines.base import SingleEnginePool
 from tirl.rl.sampler import EpochSampler
 from tirl.rl.trainer import Run, TrainerState, checkpoint, rl_step
 from tirl.runtime.base import Runtime
+from tirl.runtime.config import ClusterConfig
 
 WORKER = Path(__file__).with_name("lending_worker.py")
 UPDATE_HALF = SimpleNamespace(is_main=False, enabled=False, rank=0, world_size=1)  # no rollouts here
@@ -35,7 +36,7 @@ def colocated_run(learner, engines: list, run_dir: Path, info=UPDATE_HALF, alg=N
     """A colocated Run of `learner` and `engines` (none: a rank without the runtime)."""
     cfg = SimpleNamespace(
         algorithm=alg or SimpleNamespace(async_=False),
-        cluster=SimpleNamespace(colocated=True),
+        cluster=ClusterConfig(),
         run_dir=run_dir,
         checkpoint=SimpleNamespace(keep_last=1),
     )

@@ -20,6 +20,7 @@ import torch
 
 from tirl.distributed.weight_sync import SyncChannel, SyncGroup, SyncKind, free_port, send_weights
 from tirl.runtime.base import Runtime
+from tirl.runtime.colocation import lends_devices
 from tirl.runtime.ray import RemoteEngine
 from tirl.runtime.ray_cluster import ClusterError, Placement, connect, node_ip, whereabouts
 
@@ -196,7 +197,7 @@ async def open_ray_learner(
         backend = "nccl" if cfg.cluster.trainer.num_gpus > 0 and not cfg.cluster.colocate else "gloo"
         sends = await workers[0].sends.remote()
         learner = RayLearner(workers, int(cfg.cluster.weight_sync_bucket_mb * 2**20), backend, sends)
-        if cfg.cluster.colocated and not cfg.algorithm.async_:
+        if lends_devices(cfg.cluster, cfg.algorithm.async_):
             # The engines start next on the same GPUs and size their KV cache by the free memory;
             # the trainer's state comes back at the first update (rl_step).
             await asyncio.to_thread(learner.offload)

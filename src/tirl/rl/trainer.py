@@ -62,7 +62,7 @@ from tirl.rl.policy import TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler
 from tirl.runtime import Runtime, open_cluster_placement, open_runtime
-from tirl.runtime.colocation import Colocation
+from tirl.runtime.colocation import Colocation, lends_devices
 from tirl.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -152,8 +152,7 @@ class Run:
     lending: Colocation = field(init=False)  # engines and trainer taking turns on shared devices
 
     def __post_init__(self) -> None:
-        # async engines keep generating through the update: they lend nothing
-        shared = self.cfg.cluster.colocated and not self.cfg.algorithm.async_
+        shared = lends_devices(self.cfg.cluster, self.cfg.algorithm.async_)
         self.lending = Colocation(self.runtime, self.learner, self.info, shared)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:

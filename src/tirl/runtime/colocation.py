@@ -33,6 +33,13 @@ from tirl.distributed.weight_sync import FULL_SYNC, SyncKind
 if TYPE_CHECKING:
     from tirl.distributed.groups import DistInfo
     from tirl.runtime.base import Runtime
+    from tirl.runtime.config import ClusterConfig
+
+
+def lends_devices(cluster: ClusterConfig, async_: bool) -> bool:
+    """Whether engines lend their devices to the trainer around each update: they share them
+    (cluster.engines_share_devices) and are synchronous (async engines keep generating meanwhile)."""
+    return cluster.engines_share_devices and not async_
 
 
 class Borrower(Protocol):

@@ -158,9 +158,10 @@ class ClusterConfig(_Strict):
         return " + ".join(parts)
 
     @property
-    def colocated(self) -> bool:
-        """Engines share devices with trainer ranks (backend=local always does), so they should free
-        their memory while the trainer runs."""
+    def engines_share_devices(self) -> bool:
+        """Engines share devices with trainer ranks: backend=local always (engine i on cuda:i, next to
+        torchrun rank i), backend=ray when `colocate` puts engine i in rank i's bundle. Such engines
+        lend their memory to the trainer while it trains (tirl.runtime.colocation)."""
         return self.backend == "local" or self.colocate
 
 
