@@ -72,5 +72,5 @@ async def test_truncated_or_failed_trajectories_keep_reward_zero():
     text = "<answer>\\boxed{\\frac{1}{2}}</answer>"
     async with RewardPool(RewardConfig(workers=1)) as pool:
         for finish, reward in [("answered", 1.0), ("max_turns", 1.0), ("length", 0.0), ("error", 0.0)]:
-            traj = Trajectory(problem_id="p", prompt_ids=[1], response_text=text, finish_reason=finish)
+            traj = Trajectory(problem_id="p", prompt_ids=[1], model_turns=[text], finish_reason=finish)
             assert await score_trajectory(pool, traj, "0.5") == reward

@@ -17,6 +17,7 @@ _TOOL_RESPONSE = re.compile(r"<tool_response>.*?(?:</tool_response>|\Z)", re.DOT
 # An unclosed <answer> (the model stopped right after its answer) still counts up to the end of the text.
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|\Z)", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_TURN = "\x00"  # joins the model's turns: a box is read within one turn
 
 
 def extract_answer(response: str | Sequence[str]) -> str | None:
@@ -27,16 +28,24 @@ def extract_answer(response: str | Sequence[str]) -> str | None:
         model_text = _TOOL_RESPONSE.sub("", response)
         final_turn = response.rsplit("</tool_response>", 1)[-1]
     else:
-        # Each turn on its own line: a box cannot start in one turn and end in the next. Text the model
-        # itself wrapped in <tool_response> tags never answered, and still does not.
-        model_text = "\n".join(_TOOL_RESPONSE.sub("", turn) for turn in response)
+        # An answer block may span turns, a box may not. Text the model itself wrapped in
+        # <tool_response> tags never answered, and still does not.
+        model_text = _TURN.join(_TOOL_RESPONSE.sub("", turn) for turn in response)
         final_turn = response[-1] if response else ""
     blocks = _ANSWER_BLOCK.findall(model_text)
     if blocks:
-        answer = last_boxed(blocks[-1])
+        answer = _last_boxed_of_a_turn(blocks[-1])
         if answer is not None:
             return answer
     return last_boxed(_TOOL_RESPONSE.sub("", final_turn))
+
+
+def _last_boxed_of_a_turn(text: str) -> str | None:
+    for part in reversed(text.split(_TURN)):
+        answer = last_boxed(part)
+        if answer is not None:
+            return answer
+    return None
 
 
 def last_boxed(text: str) -> str | None:
