@@ -49,31 +49,26 @@ bench: install
 	$(PY) benchmarks/rollout_overlap.py
 	$(PY) benchmarks/scheduler_sim.py
 
-# Mutation testing (config: [tool.mutmut] in pyproject.toml; scores and survivors: docs/mutation.md).
-# Not in CI: CPU-heavy, so one module at a time, at nice 19. MUTATE="tirl.rl.losses" narrows it (a
-# module, or module.x_function for one function); `mutmut show NAME` shows a survivor.
+# Mutation testing (tests/mutate.py; each module's tests: [tool.mutmut.module_tests] in pyproject.toml;
+# scores and survivors: docs/mutation.md). Not in CI: CPU-heavy, so one module at a time, at nice 19, each
+# in a snapshot of MUTATE_REV (never the working tree). MUTATE="tirl.rl.losses" narrows it (a module, or
+# module.x_function for one function); timeouts are reported apart from kills.
 MUTATE_SPINE := tirl.rl.roc tirl.rl.grpo tirl.rl.trainer.x_build_samples tirl.rl.update.x_engine_gap \
 	tirl.reward.extract tirl.engines.scheduler tirl.agent.loop
-# What decides what is trained, measured or resumed; cheapest tests first. weight_sync: its plan and
-# buckets (the transport is tested across processes); pool: its session admission.
+# What decides what is trained, measured or resumed; cheapest tests first. weight_sync: its plan,
+# buckets and packing (the transport is tested across processes); sandbox: the one admission rule.
 MUTATE_NEW := tirl.rl.advantages tirl.rl.losses tirl.rl.importance tirl.data.filters \
 	tirl.data.decontaminate tirl.eval.metrics tirl.agent.protocol tirl.view.records tirl.rl.checkpoint \
 	tirl.engines.versions tirl.distributed.weight_sync.x_layer_group tirl.distributed.weight_sync.x__groups \
-	tirl.distributed.weight_sync.x_plan_ tirl.distributed.weight_sync.xǁEntryǁ \
-	tirl.rl.async_rollout tirl.sandbox.session tirl.sandbox.pool.xǁSandboxǁ_admit_session \
-	tirl.sandbox.pool.xǁSandboxǁ_release
-MUTATE ?= $(MUTATE_SPINE) $(MUTATE_NEW)
+	tirl.distributed.weight_sync.x_plan_ tirl.distributed.weight_sync.x_gathered \
+	tirl.distributed.weight_sync.x__pack tirl.rl.async_rollout tirl.sandbox.session tirl.sandbox.admission
+# What depends on the cluster's shape: the plan, the learners, LoRA.
+MUTATE_SHAPES := tirl.rl.plan tirl.rl.local_learner tirl.rl.ray_learner tirl.rl.lora
+MUTATE ?= $(MUTATE_SPINE) $(MUTATE_NEW) $(MUTATE_SHAPES)
+MUTATE_REV ?= HEAD
 mutate: install
 	$(PY) -m pip install -q "mutmut==3.8.1"
-	@# TIRL_TEST_CACHE: each mutant's fresh pytest session reuses the tiny model and the taught one;
-	@# TIRL_TEST_HANG_S: a mutant that hangs the agent loop fails its hang guard in a minute
-	for m in $(MUTATE); do TIRL_TEST_CACHE=$(CURDIR)/mutants/.test-cache TIRL_TEST_HANG_S=60 nice -n 19 \
-		$(VENV)/bin/mutmut run --max-children 2 "$$m*" > /dev/null || exit 1; done
-	@# killed share per module, over the mutants that ran (a timeout counts as killed)
-	$(VENV)/bin/mutmut results --all true | grep -v "not checked" | awk -F': ' \
-		'{ m = $$1; sub(/^ +/, "", m); sub(/\.x[_\xc7].*/, "", m); n[m]++; if ($$2 ~ /killed|timeout/) k[m]++ } \
-		END { for (m in n) printf "%-28s %4d of %4d killed (%.0f%%)\n", m, k[m], n[m], 100 * k[m] / n[m] }'
-	@echo "survivors: $(VENV)/bin/mutmut results; one of them: $(VENV)/bin/mutmut show NAME"
+	nice -n 19 $(PY) tests/mutate.py --rev $(MUTATE_REV) $(MUTATE)
 
 # The lent GPU machine (docs/gpu-validation.md) has torch and most of tirl's needs but no package index:
 # these cp312 manylinux wheels travel with the working tree (`carry`), pinned to what the venv tests.
