@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 from tirl.agent.trajectory import ToolCallStatus
 from tirl.plugins import PluginError, resolve
+from tirl.sandbox.addresses import stable_addresses
 from tirl.sandbox.result import ExecResult, Executor, Status
 
 
@@ -163,20 +163,9 @@ def exec_tool_result(result: ExecResult, show_time: bool) -> ToolResult:
     if status == "sandbox_error":  # the loop reports it, the model never sees it
         text = f"{result.status}: {result.message or result.stderr}"
     else:
-        text = stable_addresses(result.render(show_time=show_time))
+        # only the object addresses the program's own process reported (a computed hex stays)
+        text = stable_addresses(result.render(show_time=show_time), result.extra.get("addresses"))
     return ToolResult(text, status, result.wall_ms)
-
-
-_REPR_ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+")  # `<generator object <genexpr> at 0x55d03cfdf2a0>`
-
-
-def stable_addresses(text: str) -> str:
-    """The memory addresses in printed reprs, numbered by first appearance (0x000000000001, ...): they
-    differ in every process (ASLR, allocation history), so the model would see, and a seed would
-    reproduce, different tokens on every run. One object keeps one number within an output; hex
-    values a program computes (`hex(2**40)`) are not reprs and stay as they are."""
-    numbers: dict[str, str] = {}
-    return _REPR_ADDRESS.sub(lambda m: numbers.setdefault(m.group(), f"0x{len(numbers) + 1:012x}"), text)
 
 
 class PythonSessionTool(Tool):

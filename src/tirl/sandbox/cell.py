@@ -22,11 +22,22 @@ import traceback
 import types
 import warnings
 
+from tirl.sandbox import addresses
+
 CELL = "<cell>"
 RESULT_FD = 3
 
 
-class _Stdout(io.TextIOWrapper):
+class _Watched(io.TextIOWrapper):
+    """A text stream whose writes are checked for object addresses (addresses.py: reported as real
+    only if they lie in this process's memory)."""
+
+    def write(self, s: str) -> int:
+        addresses.note(s)
+        return super().write(s)
+
+
+class _Stdout(_Watched):
     """Line-buffered stdout that remembers whether anything was printed (for the echo rule)."""
 
     printed = False
@@ -68,6 +79,8 @@ def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression
 
 def report(outcome: str, end: bytes = b"", **info: object) -> None:
     """The outcome line on the result pipe (and, for a session, the end-of-cell marker)."""
+    if (found := addresses.reported()) is not None:
+        info["addresses"] = found
     with contextlib.suppress(OSError):  # the user closed fd 3: the sandbox falls back to the exit status
         os.write(RESULT_FD, json.dumps({"outcome": outcome, **info}).encode() + b"\n" + end)
 
@@ -111,7 +124,7 @@ Streams = tuple[io.TextIOWrapper, io.TextIOWrapper, io.TextIOWrapper]
 def make_streams() -> Streams:
     """stdin/stdout/stderr over fds 0-2, unused: the fork server makes them once, every call inherits
     them fresh (building them in each call copied ~50 pages of the image per call)."""
-    return reader(0), _stream(1, _Stdout), _stream(2)
+    return reader(0), _stream(1, _Stdout), _stream(2, _Watched)
 
 
 def open_streams(streams: Streams) -> None:

@@ -170,6 +170,8 @@ class Session:
                 self.lost = "it failed to start"
                 return ExecResult(Status.SANDBOX_ERROR, message="sandbox error: the session failed to start")
         info = _last_report(raw, _OUTCOMES)
+        if "addresses" in info:  # the object addresses the cell printed (addresses.py)
+            r.extra["addresses"] = str(info["addresses"]).split()
         memory = f"memory limit is {human_bytes(self.limits.memory_mb * MiB)}"
         if call.killed == "timeout":
             self.lost = f"its cell timed out after {timeout:.1f} s"

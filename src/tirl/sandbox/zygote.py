@@ -155,6 +155,8 @@ def _classify(got: capture.Collected, watch: Watch, limits: Limits) -> ExecResul
             r.message = f"sandbox setup failed: {info.get('error') or f'wait status {status}'}"
         return r
     info = _last_report(got.result[len(forkserver.STARTED) :], _OUTCOMES)
+    if "addresses" in info:  # the object addresses the program printed (addresses.py)
+        r.extra["addresses"] = str(info["addresses"]).split()
     if got.killed == "timeout":
         r.status, r.message = Status.TIMEOUT, f"Timed out after {limits.timeout_s:.1f} s"
         if _starved(watch):
