@@ -12,8 +12,9 @@ in `max_body_bytes` (413), and a connection that does not finish its request hea
 HEADER_TIMEOUT_S is closed (slowloris). With a token, bodies are JSON whatever the Content-Type
 says (so `curl -d` works); without one, a POST must say Content-Type: application/json (a web page
 the user visits can make the browser send a plain-text POST to a local service without asking; a
-JSON one it cannot). The bytes of all request bodies in flight share one budget (beyond it: 429),
-and a call or cell that could not even queue (queue full) is refused before its body is parsed.
+JSON one it cannot). The bytes of all request bodies in flight share one budget, reserved before
+they are read (body_budget.py; beyond it: 429), replies are capped on the JSON sent (reply.py), and
+a call or cell that could not even queue (queue full) is refused before its body is parsed.
 Anything that is not a valid request answers 4xx with a message; anything unexpected answers 503
 (SandboxClient retries it elsewhere), never 500. There are no /docs or /openapi.json pages.
 """
@@ -201,7 +202,8 @@ def _check_language(language: str) -> None:
 
 def _check_fits(sandbox: Sandbox, calls: list[RunRequest], cap: int = MAX_RESPONSE_BYTES) -> None:
     """Refuse what the machine cannot hold: stdin beyond the call's memory, batches whose results
-    (head and tail of two streams per call) would not fit in one response."""
+    (head and tail of two streams per call, raw) could not fit in one reply even unescaped. What is
+    sent is capped on its JSON (escapes included) by reply.fit."""
     response = 0
     for i, call in enumerate(calls):
         limits = sandbox.call_limits(
