@@ -308,7 +308,7 @@ class GatePool:
 
 class Scorer:
     async def score_many(self, pairs):
-        return [1.0 if text == ref else 0.0 for text, ref in pairs]
+        return [1.0 if turns == [ref] else 0.0 for turns, ref in pairs]  # the model's own turns
 
 
 @dataclass
@@ -327,7 +327,7 @@ def env(monkeypatch) -> Env:
         env.calls.append((group, sample_index, seed))
         env.passed.append((tokenizer, executor, agent))
         draw = int(group.rsplit("#", 1)[1])
-        traj = Trajectory(problem.id, [1], sample_index=sample_index, response_text=problem.answer)
+        traj = Trajectory(problem.id, [1], sample_index=sample_index, model_turns=[problem.answer])
         async with pool.lease(group, agent.max_response_tokens) as engine:
             for turn in range(env.turns):
                 if (draw, turn) in env.before:
@@ -427,7 +427,7 @@ async def test_seeds_follow_batch_and_slot_and_every_trajectory_is_scored(env):
     assert len(env.seen) == 8
     for group in got.groups:
         assert [t.sample_index for t in group] == [0, 1]
-        assert all(t.reward == 1.0 for t in group)  # the scorer's verdict: text == the reference
+        assert all(t.reward == 1.0 for t in group)  # the scorer's verdict: the model's turn == the reference
     assert [pr.id for pr in got.problems] == [f"p{order[0]}", f"p{order[1]}"]
     await p.close()
 
