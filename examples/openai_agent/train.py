@@ -148,7 +148,7 @@ async def one_step(step, problems, rng, endpoint, scorer, learner, engine, alg, 
         *(play_group(endpoint, p, step, alg.oversample * alg.group_size, args) for p in batch)
     )
     for problem, group in zip(batch, groups, strict=True):
-        rewards = await scorer.score_many([(t.response_text, problem.answer) for t in group])
+        rewards = await scorer.score_many([(t.model_turns, problem.answer) for t in group])
         for t, r in zip(group, rewards, strict=True):
             t.reward = float(r) if t.scored else 0.0
     kept = [roc_select(g, alg, rng.randrange(2**31)) for g in groups]

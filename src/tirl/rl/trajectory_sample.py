@@ -72,7 +72,7 @@ def step_sample(
                 "stage": stage,
                 "problem": problems[i].problem,
                 "reference": problems[i].answer,
-                "answer": extract_answer(t.response_text),
+                "answer": extract_answer(t.model_turns),  # the model's own, never a tool's
                 "roc": roc,
                 **compact(t),
             }
