@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import functools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -290,10 +291,19 @@ def timed_update(ctx: Ctx, model_dir: Path, fsdp: bool) -> dict:
     return out
 
 
+def guarded_update(ctx: Ctx, model_dir: Path, fsdp: bool) -> dict:
+    """timed_update, or what ran out of memory and where (the other variant and parts still run)."""
+    try:
+        return timed_update(ctx, model_dir, fsdp)
+    except torch.OutOfMemoryError as e:
+        peak = torch.cuda.max_memory_allocated(ctx.device) / GiB if ctx.cuda else 0.0
+        return {"error": f"OOM at {peak:.1f} GiB allocated: rerun with a smaller --layers ({str(e)[:120]})"}
+
+
 @functools.cache
 def _plain_update(ctx: Ctx) -> dict:
     model_dir, _ = _big_model(ctx)
-    return timed_update(ctx, model_dir, fsdp=False)
+    return guarded_update(ctx, model_dir, fsdp=False)
 
 
 def _plan_child(config_dict: dict, gpu_memory: int, micro_batch: tuple[int, int], bf16: bool, queue) -> None:
@@ -342,11 +352,13 @@ def part_memory(ctx: Ctx) -> Result:
     plan_s = round(time.monotonic() - started, 1)
     model_dir, layers = _big_model(ctx)
     plain = _plain_update(ctx)
-    fsdp = timed_update(ctx, model_dir, fsdp=True)
+    fsdp = guarded_update(ctx, model_dir, fsdp=True)
     n = {"layers": layers, "parameters": _parameters(ctx.sizes.width, layers)}
     n |= {f"plain_{k}": v for k, v in plain.items()} | {f"fsdp_{k}": v for k, v in fsdp.items()}
     notes = [f"{MICRO_BATCHES} micro-batches of {ctx.sizes.micro_batch_tokens} padded tokens, steady state"]
-    ok = all(torch.isfinite(torch.tensor(r["loss"])) for r in (plain, fsdp))
+    if "error" in plain or "error" in fsdp:
+        return Result("memory", "FAIL", n | {f"plan_{k}": v for k, v in plan.items()}, notes)
+    ok = all(math.isfinite(r["loss"]) for r in (plain, fsdp))
     if "error" in plan:
         n["plan_error"] = plan["error"]
         notes.append("tirl plan could not predict this model: " + plan["error"])
@@ -583,32 +595,40 @@ def handoff(ctx: Ctx) -> dict:
         asyncio.run(engine.close())
 
 
-def part_speed(ctx: Ctx) -> Result:
-    n: dict = {}
+def update_speed(ctx: Ctx) -> dict:
+    """Tokens/s and MFU of the part-1 update (timed there; run here if part 1 did not run)."""
     _, layers = _big_model(ctx)
     update = _plain_update(ctx)
+    if "error" in update:
+        return {"update_error": update["error"]}
     peak = matmul_peak(ctx.device)
-    parameters = _parameters(ctx.sizes.width, layers)
-    embedding = ctx.sizes.width["vocab_size"] * ctx.sizes.width["hidden_size"]
-    flops = update_flops(
-        parameters, embedding, update["padded_tokens"], ctx.sizes.sequence, ctx.sizes.width, layers
-    )
-    n["update_tokens_per_s"] = round(update["padded_tokens"] / update["update_s"], 1)
-    n["update_model_tflops"] = round(flops / update["update_s"] / 1e12, 2)
-    n["matmul_bf16_tflops"] = round(peak / 1e12, 1)
-    n["mfu_vs_measured_peak"] = round(flops / update["update_s"] / peak, 3)
+    width = ctx.sizes.width
+    parameters, embedding = _parameters(width, layers), width["vocab_size"] * width["hidden_size"]
+    flops = update_flops(parameters, embedding, update["padded_tokens"], ctx.sizes.sequence, width, layers)
+    rate = flops / update["update_s"]
+    n = {
+        "update_tokens_per_s": round(update["padded_tokens"] / update["update_s"], 1),
+        "update_model_tflops": round(rate / 1e12, 2),
+        "matmul_bf16_tflops": round(peak / 1e12, 1),
+        "mfu_vs_measured_peak": round(rate / peak, 3),
+    }
     if ctx.cuda:
-        n["mfu_vs_datasheet_peak"] = round(flops / update["update_s"] / H100_BF16_PEAK, 3)
+        n["mfu_vs_datasheet_peak"] = round(rate / H100_BF16_PEAK, 3)
+    return n
+
+
+def part_speed(ctx: Ctx) -> Result:
+    n = update_speed(ctx)
     for tokens in ctx.sizes.head_tokens:
         n |= {f"head_{tokens}_{k}": v for k, v in head_comparison(ctx, tokens).items()}
     n |= handoff(ctx)
     n["copy_gb_s"] = round(copy_bandwidth(ctx.device) / 1e9, 1)
     n["handoff_share_of_copy"] = round(n["handoff_gb_s"] / n["copy_gb_s"], 4)
     notes = []
-    ok = n["update_tokens_per_s"] > 0 and all(
+    ok = "update_error" not in n and all(
         isinstance(n[f"head_{t}_chunked_s"], float) for t in ctx.sizes.head_tokens
     )
-    if ctx.cuda and n["mfu_vs_datasheet_peak"] < 0.40:
+    if ctx.cuda and n.get("mfu_vs_datasheet_peak", 0.0) < 0.40:
         notes.append("MFU under the 40% goal")
     if not ctx.cuda:
         notes.append("CPU: times only; the MFU, head and handoff figures mean something on a GPU")
