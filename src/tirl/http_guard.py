@@ -88,7 +88,7 @@ def check(policy: GuardPolicy, method: str, path: str, headers: Mapping[str, str
         if host_name(host) not in policy.allowed_hosts:
             return Refusal(
                 421,
-                f"Host {host!r} is not this server: without a token only {sorted(policy.allowed_hosts)} "
+                f"Host {host!r} is not this service: without a token only {sorted(policy.allowed_hosts)} "
                 "are accepted (configure a token, or add the name to the allowed hosts)",
             )
         origin = headers.get("origin")

@@ -168,5 +168,5 @@ def test_a_dns_rebinding_page_cannot_read_or_end_a_trajectory(browser, live):
     read = page.evaluate("window.results.read")
     page.close()
     assert SECRET not in read and "prompt_ids" not in read, read[:300]
-    assert "not this server" in read, read[:300]
+    assert "not this service" in read, read[:300]
     assert endpoint.recorder.recording(tid).turns == 1, "the page ended the trajectory"

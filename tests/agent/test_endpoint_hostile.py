@@ -89,7 +89,7 @@ def test_a_rebinding_host_name_is_refused(served):
     endpoint, engine, _ = served
     tid = endpoint.trajectory_id("t")
     resp = chat(endpoint, tid, headers={"Host": "attacker.example:80"})
-    assert resp.status_code == 421 and "not this server" in resp.json()["error"]["message"]
+    assert resp.status_code == 421 and "not this service" in resp.json()["error"]["message"]
     resp = httpx.get(f"{endpoint.url}/health", headers={"Host": "attacker.example"})
     assert resp.status_code == 421
     assert engine.calls == 0

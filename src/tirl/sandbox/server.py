@@ -5,14 +5,15 @@ POST /sessions, POST /sessions/{id}/run, DELETE /sessions/{id} (persistent Pytho
 GET /health (no token needed: it shows load, limits and active isolation, nothing a caller could
 abuse), GET /metrics (Prometheus). Overload answers 429 / `queue_timeout` quickly.
 
-Every request passes a guard before the app sees it: the Host header must name this machine
-when no token is set (a DNS-rebinding web page cannot reach a token-less local service), the
-token is checked before the body is read, the body must arrive within BODY_TIMEOUT_S and fit
-in `max_body_bytes` (413), and a connection that does not finish its request headers within
-HEADER_TIMEOUT_S is closed (slowloris). With a token, bodies are JSON whatever the Content-Type
-says (so `curl -d` works); without one, a POST must say Content-Type: application/json (a web page
-the user visits can make the browser send a plain-text POST to a local service without asking; a
-JSON one it cannot). The bytes of all request bodies in flight share one budget, reserved before
+Every request passes tirl's HTTP guard (tirl/http_guard.py, shared by every server tirl starts)
+before the app sees it: the Host header must name this machine when no token is set (a
+DNS-rebinding web page cannot reach a token-less local service), and so must a browser's Origin;
+the token is checked before the body is read; the body must fit in `max_body_bytes` (413, counted
+while it is read) and arrive within BODY_TIMEOUT_S; a connection that does not finish its request
+headers within HEADER_TIMEOUT_S is closed (slowloris). With a token, bodies are JSON whatever the
+Content-Type says (so `curl -d` works); without one, a POST must say Content-Type:
+application/json (a web page the user visits can make the browser send a plain-text POST to a
+local service without asking; a JSON one it cannot). The bytes of all request bodies in flight share one budget, reserved before
 they are read (body_budget.py; beyond it: 429), replies are capped on the JSON sent (reply.py), and
 a call or cell that could not even queue (queue full) is refused before its body is parsed.
 Anything that is not a valid request answers 4xx with a message; anything unexpected answers 503
@@ -22,7 +23,6 @@ Anything that is not a valid request answers 4xx with a message; anything unexpe
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -33,6 +33,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tirl.http_guard import LOOPBACK_HOSTS, GuardPolicy, HTTPGuard
 from tirl.sandbox.body_budget import BodyBudget
 from tirl.sandbox.fusion import PYTHON_NAMES, RunCodeRequest, to_fusion
 from tirl.sandbox.limits import MiB, host_memory_bytes
@@ -50,8 +51,6 @@ MAX_RESPONSE_BYTES = 32 * MiB  # the JSON of a reply, as sent (reply.py); larger
 MAX_INFLIGHT_BYTES = 2 * MAX_BODY_BYTES
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 60.0
-PUBLIC_PATHS = frozenset({"/health"})
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -124,51 +123,16 @@ async def _answer_unless_stopped(app: Any, scope: dict, receive: Any, send: Any)
         await _json_error(503, f"sandbox error: {exc!r} (retry)", {"Retry-After": "1"})(scope, receive, send)
 
 
-class Guard:
-    """ASGI middleware: Host check, token and media type before the app (and its BodyBudget) run."""
+class _AnswerUnlessStopped:
+    """ASGI middleware: `_answer_unless_stopped` around everything inside it (503, never a bare 500)."""
 
-    def __init__(self, app: Any, token: str | None, max_bytes: int, allowed_hosts: frozenset[str]) -> None:
-        self.app, self.token, self.max_bytes, self.allowed_hosts = app, token, max_bytes, allowed_hosts
+    def __init__(self, app: Any) -> None:
+        self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers", []))
-        if (problem := self._refusal(scope, headers)) is not None:
-            return await problem(scope, receive, send)
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large()(scope, receive, send)
-        # the body is read inside (BodyBudget: reserved from the budget before it is read)
         await _answer_unless_stopped(self.app, scope, receive, send)
-
-    def _refusal(self, scope: dict, headers: dict[bytes, bytes]) -> JSONResponse | None:
-        if self.token is None:
-            host = headers.get(b"host", b"").decode("latin-1").lower()
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if name not in self.allowed_hosts:
-                return _json_error(
-                    421,
-                    f"Host {host!r} is not this service: without a token only {sorted(self.allowed_hosts)} "
-                    "are accepted (start the service with a token, or add the name with --allow-host)",
-                )
-        if self.token is not None and scope.get("path") not in PUBLIC_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
-                return _json_error(
-                    401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')"
-                )
-        media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if self.token is None and scope.get("method") == "POST" and media != b"application/json":
-            return _json_error(
-                415,
-                "without a token, POST bodies must be sent as Content-Type: application/json "
-                "(a web page can make a browser send any other type here without asking)",
-            )
-        return None
-
-    def _too_large(self) -> JSONResponse:
-        return _json_error(413, f"request body too large (limit {self.max_bytes} bytes)")
 
 
 def _reject_constant(name: str) -> float:
@@ -366,12 +330,11 @@ def create_app(
         max_body_bytes=max_body_bytes,
         body_timeout_s=BODY_TIMEOUT_S,
     )
-    app.add_middleware(
-        Guard,
-        token=token,
-        max_bytes=max_body_bytes,
-        allowed_hosts=LOOPBACK_HOSTS | set(allowed_hosts),
-    )
+    # Outermost first: unexpected errors answer 503, then tirl's HTTP guard (Host, Origin, token,
+    # media type, body size), then the body budget, then the app.
+    policy = GuardPolicy(LOOPBACK_HOSTS | set(allowed_hosts), token, max_body_bytes)
+    app.add_middleware(HTTPGuard, policy=policy)
+    app.add_middleware(_AnswerUnlessStopped)
     return app
 
 
