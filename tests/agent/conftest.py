@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tirl.agent import AgentConfig
 from tirl.data.problem import Problem
-from tirl.engines import EngineConfig, SingleEnginePool, load_tokenizer
+from tirl.engines import EngineConfig, SingleEnginePool
 from tirl.engines.hf import HFEngine
 
 # Short prompt and schema keep the memorized conversations short (teaching cost grows with length).
@@ -103,11 +103,6 @@ async def sandbox():
 
     async with Sandbox(slots=4, preload=[]) as sb:
         yield sb
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="session")

