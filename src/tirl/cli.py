@@ -694,6 +694,9 @@ def view_command(
     serve: bool = typer.Option(False, "--serve", help="Also serve it on localhost until Ctrl-C."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8765, "--port", help="0 picks a free port."),
+    allow_host: list[str] = typer.Option(
+        [], "--allow-host", help="With --serve: Host names accepted besides loopback and --host; repeat."
+    ),
 ) -> None:
     """Write a self-contained HTML trajectory viewer (works offline from disk); --serve serves it."""
     from tirl.view import ViewError, printable, write_view
@@ -707,7 +710,7 @@ def view_command(
         from tirl.view.serve import serve as serve_page
 
         try:
-            serve_page(page, host, port, lambda url: typer.echo(f"serving {url} (Ctrl-C stops)"))
+            serve_page(page, host, port, lambda url: typer.echo(f"serving {url} (Ctrl-C stops)"), allow_host)
         except ViewError as e:  # the port is in use
             _fail(e)
 

@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from tests.view.browser import FLAGS, find_chromium, unavailable
+from tests.view.browser import unavailable
+from tests.view.rebinding import attacker_chromium, read_after_rebinding
 
 from tirl.agent.openai_server import ChatRecorder, OpenAIEndpoint
 from tirl.engines import SingleEnginePool, load_tokenizer
@@ -20,12 +21,6 @@ from tirl.engines.base import Generation, SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 SECRET = "SECRET-PROBLEM-4242"
-# Chromium resolves these names to loopback (the attacker's DNS, as a rebinding attack sets it).
-RESOLVE = "--host-resolver-rules=MAP attacker.test 127.0.0.1, MAP rebind.test 127.0.0.1"
-# Chromium's own Local Network Access checks would block a public page's requests to loopback before
-# the endpoint sees them; they ask the user, who may allow, and other browsers do not have them. Off,
-# so the endpoint's guard is what is tested.
-NO_LNA = "--disable-features=LocalNetworkAccessChecks,BlockInsecurePrivateNetworkRequests,PrivateNetworkAccessSendPreflights"
 
 
 class Canned:
@@ -44,14 +39,8 @@ def browser():
     reason = unavailable()
     if reason:
         pytest.skip(f"the endpoint's browser tests need a real browser: {reason}")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=find_chromium(), headless=True, args=[*FLAGS, RESOLVE, NO_LNA])
-        try:
-            yield b
-        finally:
-            b.close()
+    with attacker_chromium() as b:
+        yield b
 
 
 @pytest.fixture
@@ -141,32 +130,17 @@ def test_a_cross_site_page_cannot_end_extend_or_read_a_live_trajectory(browser, 
     assert engine.calls == 1 and rec.turns == 1, "the page extended the trajectory"
 
 
-def rebinding_page(tid: str) -> str:
-    """Served under the attacker's name, which now resolves to 127.0.0.1: same origin as the endpoint."""
-    return f"""<!doctype html><body><script>
-window.results = {{}};
-fetch("/t/{tid}/finish", {{method: "POST", body: "{{}}", headers: {{"Content-Type": "application/json"}}}})
+def test_a_dns_rebinding_page_cannot_read_or_end_a_trajectory(browser, live):
+    """The page's name resolves to 127.0.0.1 now: it shares the endpoint's origin and could read."""
+    endpoint, tid, _ = live
+    read = read_after_rebinding(
+        browser,
+        int(endpoint.url.rsplit(":", 1)[1]),
+        f"""fetch("/t/{tid}/finish", {{method: "POST", body: "{{}}", headers: {{"Content-Type": "application/json"}}}})
   .then(r => r.text()).then(t => {{ window.results.read = t; }})
   .catch(e => {{ window.results.read = "refused: " + e; }})
-  .finally(() => {{ window.results.done = true; }});
-</script></body>"""
-
-
-def test_a_dns_rebinding_page_cannot_read_or_end_a_trajectory(browser, live):
-    endpoint, tid, _ = live
-    port = endpoint.url.rsplit(":", 1)[1]
-    origin = f"http://rebind.test:{port}"
-    page = browser.new_page()
-    # The attacker's server sent this document before its DNS record flipped to 127.0.0.1; every
-    # request after it goes to the endpoint, with Host: rebind.test.
-    page.route(
-        f"{origin}/",
-        lambda route: route.fulfill(status=200, content_type="text/html", body=rebinding_page(tid)),
+  .finally(() => {{ window.results.done = true; }});""",
     )
-    page.goto(f"{origin}/")
-    page.wait_for_function("window.results && window.results.done === true", timeout=60_000)
-    read = page.evaluate("window.results.read")
-    page.close()
     assert SECRET not in read and "prompt_ids" not in read, read[:300]
     assert "not this service" in read, read[:300]
     assert endpoint.recorder.recording(tid).turns == 1, "the page ended the trajectory"

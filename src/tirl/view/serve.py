@@ -1,19 +1,37 @@
 """`tirl view --serve`: the written HTML file on localhost, for a browser on the same machine
-(or through an SSH tunnel). It serves that one file and nothing else of the file system."""
+(or through an SSH tunnel). It serves that one file and nothing else of the file system, to
+requests that pass tirl's HTTP guard (tirl/http_guard.py): a Host header naming this machine (the
+loopback names, the host it binds to, the names given in `allowed_hosts`) and no foreign Origin, so a
+DNS-rebinding page cannot read the trajectories the page shows."""
 
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tirl.http_guard import GuardPolicy, check
 
-def make_server(page: Path, host: str = "127.0.0.1", port: int = 8765) -> ThreadingHTTPServer:
+
+def make_server(
+    page: Path, host: str = "127.0.0.1", port: int = 8765, allowed_hosts: Iterable[str] = ()
+) -> ThreadingHTTPServer:
     body = Path(page).read_bytes()
+    policy = GuardPolicy.for_server(host, allowed_hosts)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            if (refusal := check(policy, "GET", self.path, headers)) is not None:
+                answer = json.dumps({"error": refusal.message}).encode()
+                self.send_response(refusal.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+                return
             if self.path.split("?", 1)[0] not in ("/", "/index.html", f"/{Path(page).name}"):
                 self.send_error(404, "only the viewer page is served here: open /")
                 return
@@ -42,9 +60,11 @@ def make_server(page: Path, host: str = "127.0.0.1", port: int = 8765) -> Thread
         ) from None
 
 
-def serve(page: Path, host: str, port: int, announce: Callable[[str], None]) -> None:
+def serve(
+    page: Path, host: str, port: int, announce: Callable[[str], None], allowed_hosts: Iterable[str] = ()
+) -> None:
     """Serve until Ctrl-C; `announce` gets the URL once the socket is bound (port 0 picks a free one)."""
-    server = make_server(page, host, port)
+    server = make_server(page, host, port, allowed_hosts)
     announce(f"http://{host}:{server.server_address[1]}/")
     try:
         server.serve_forever()
