@@ -39,7 +39,7 @@ from tirl.distributed.groups import (
 from tirl.engines.versions import EngineActivity, WeightVersions
 from tirl.rl import trajectory_sample
 from tirl.rl.advantages import resolve_advantage
-from tirl.rl.async_rollout import GroupProducer
+from tirl.rl.async_rollout import GroupProducer, StepGroups
 from tirl.rl.checkpoint import (
     checkpoint_model_dir,
     load_trainer_state,
@@ -224,7 +224,7 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
     return metrics | timer.metrics()
 
 
-def _rollout_report(run: Run, batch) -> dict:
+def _rollout_report(run: Run, batch: StepGroups) -> dict:
     """The rollout half's metrics (engines, rewards, RoC on ALL trajectories), and a bounded sample of
     trajectories with RoC's view of them for `tirl view`."""
     cfg, alg, rt = run.cfg, run.cfg.algorithm, run.runtime
