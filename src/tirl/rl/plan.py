@@ -290,11 +290,11 @@ def _meta_model(config) -> torch.nn.Module:
 # (tirl.rl.policy.Policy.accumulate), so from the second one on its backward runs with the first one's
 # gradients held; two micro-batches measure exactly that.
 MICRO_BATCHES = 2
-# The attention implementation the measurement runs under (registered by _register_planned_attention).
+# The attention implementation the measurement runs under (registered by register_planned_attention).
 PLANNED_ATTENTION = "tirl_plan"
 
 
-def _register_planned_attention() -> None:
+def register_planned_attention() -> None:
     """The GPU trainer's attention, as its memory goes, for fake tensors on the CPU.
 
     The trainer always passes the padding mask; a micro-batch whose sequences differ in length makes
@@ -344,7 +344,7 @@ def _workload_meta_model(config, workload: Workload) -> torch.nn.Module:
     its layer's device, which fake tensors refuse."""
     from transformers import AutoModelForCausalLM
 
-    _register_planned_attention()
+    register_planned_attention()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=PLANNED_ATTENTION
@@ -581,13 +581,15 @@ def allocator_slack() -> float:
 def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "", advise: bool = True) -> Plan:
     """Measure training, size the engines, judge each phase against the GPU's memory, and (`advise`)
     find the config overrides that make a plan that does not fit fit (re-measured: they converge)."""
-    plan = _judge(config, cluster, workload, name, measure_training(config, cluster.gpus, workload))
+    plan = plan_from(config, cluster, workload, name, measure_training(config, cluster.gpus, workload))
     if advise and not plan.fits:
         plan.fixes = _fixes(config, plan)
     return plan
 
 
-def _judge(config, cluster: ClusterShape, workload: Workload, name: str, training: TrainingMemory) -> Plan:
+def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, training: TrainingMemory) -> Plan:
+    """The plan around a training measurement (measure_training's, or one taken on a GPU): the engine
+    arithmetic, each phase's total per GPU, and what does not fit (no fixes: make_plan finds those)."""
     from tirl.distributed.weight_sync import plan_entries
 
     model = _meta_model(config)
@@ -763,7 +765,7 @@ def _fixes(config, plan: Plan) -> dict[str, str]:
         workload = replace(w, engine=engine, micro_batch=micro_batch_shape(_tokens(w), length))
         if workload.micro_batch != w.micro_batch:
             training = measure_training(config, plan.cluster.gpus, workload)
-    final = _judge(config, plan.cluster, workload, plan.architecture, training)
+    final = plan_from(config, plan.cluster, workload, plan.architecture, training)
     if not _training_fits(final):
         found = _training_fix(config, final)
         if found is None:
@@ -831,7 +833,7 @@ DEFAULT_LORA: dict[str, Any] = dict(
 
 
 def _plan_with(config, plan: Plan, workload: Workload) -> Plan:
-    return _judge(
+    return plan_from(
         config,
         plan.cluster,
         workload,
