@@ -229,6 +229,10 @@ class OneRankFSDP:
 def one_rank_group(device: torch.device) -> Iterator[OneRankFSDP]:
     import torch.distributed as dist
 
+    from tirl.distributed.groups import init_distributed
+
+    init_distributed(str(device))  # a world of one, with the trainer's CUDA allocator settings
+
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -255,12 +259,12 @@ def optim_config(ctx: Ctx, **kw):
 def timed_update(ctx: Ctx, model_dir: Path, fsdp: bool) -> dict:
     """Two updates through tirl.rl.update.grpo_update (the first allocates AdamW's state); the second is
     the steady state the plan predicts: its peak memory and its time are measured."""
-    from tirl.distributed.groups import DistInfo
+    from tirl.distributed.groups import init_distributed
     from tirl.rl.config import AlgorithmConfig
     from tirl.rl.policy import Policy
     from tirl.rl.update import grpo_update
 
-    group = one_rank_group(ctx.device) if fsdp else contextlib.nullcontext(DistInfo(0, 1, ctx.device))
+    group = one_rank_group(ctx.device) if fsdp else contextlib.nullcontext(init_distributed(str(ctx.device)))
     with group as info:
         policy = Policy(str(model_dir), optim_config(ctx), info, total_steps=4)
         vocab = policy.model.config.vocab_size
@@ -312,11 +316,8 @@ def _plan_child(config_dict: dict, gpu_memory: int, micro_batch: tuple[int, int]
 
         from tirl.rl.plan import ClusterShape, Workload, make_plan
 
-        plan = make_plan(
-            Qwen3Config(**config_dict),
-            ClusterShape(1, gpu_memory, colocated=False),
-            Workload(micro_batch, bf16),
-        )
+        config, cluster = Qwen3Config(**config_dict), ClusterShape(1, gpu_memory, colocated=False)
+        plan = make_plan(config, cluster, Workload(micro_batch, bf16), advise=False)  # no search for fixes
         queue.put({"peak": plan.training.peak, "total": plan.training_total, "verdict": plan.verdict()})
     except BaseException as e:
         queue.put({"error": f"{type(e).__name__}: {e}"[:400]})
@@ -405,7 +406,7 @@ def _weights(policy) -> dict[str, torch.Tensor]:
 def colocated_round(ctx: Ctx, lora: bool) -> dict:
     """One update, offload and back, a checkpoint (sharded state + export), one more update; then a
     fresh policy restored from the checkpoint takes the same second update: the weights must agree."""
-    from tirl.distributed.groups import DistInfo
+    from tirl.distributed.groups import init_distributed
     from tirl.rl.checkpoint import checkpoint_model_dir, latest_checkpoint, load_trainer_state
     from tirl.rl.config import AlgorithmConfig, LoraConfig
     from tirl.rl.local_learner import LocalLearner
@@ -415,7 +416,7 @@ def colocated_round(ctx: Ctx, lora: bool) -> dict:
     optim = optim_config(ctx, micro_batch_tokens=96, lr=COLOCATED_LR["lora" if lora else "full"])
     if lora:
         optim = optim.model_copy(update={"lora": LoraConfig(enabled=True, rank=8, alpha=16)})
-    info = DistInfo(0, 1, ctx.device)
+    info = init_distributed(str(ctx.device))
     run_dir = ctx.work / ("run_lora" if lora else "run_full")
     learner = LocalLearner(Policy(str(model_dir), optim, info, total_steps=4))
     vocab = learner.policy.model.config.vocab_size
@@ -567,7 +568,7 @@ def head_comparison(ctx: Ctx, tokens: int) -> dict:
 def handoff(ctx: Ctx) -> dict:
     """The weight sync the trainer runs (LocalLearner.sync_weights -> Runtime.load_weights) into an HF
     engine in this process, on the same device, for the colocated part's model."""
-    from tirl.distributed.groups import DistInfo
+    from tirl.distributed.groups import init_distributed
     from tirl.engines.config import EngineConfig
     from tirl.engines.hf import HFEngine
     from tirl.rl.local_learner import LocalLearner
@@ -576,7 +577,7 @@ def handoff(ctx: Ctx) -> dict:
 
     model_dir = _small_model(ctx)
     learner = LocalLearner(
-        Policy(str(model_dir), optim_config(ctx), DistInfo(0, 1, ctx.device), total_steps=1)
+        Policy(str(model_dir), optim_config(ctx), init_distributed(str(ctx.device)), total_steps=1)
     )
     engine = HFEngine(EngineConfig(model=str(model_dir), device=str(ctx.device), max_model_len=256))
     try:
