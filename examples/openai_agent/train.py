@@ -7,7 +7,9 @@ The agent talks to tirl's OpenAI-compatible endpoint, which records each episode
 mask and log-probs; the episodes are then scored, down-sampled by RoC and trained on exactly as
 `tirl train` does (tirl.rl.trainer's roc_select and build_samples, the same learner), and the new
 weights go into the engine before the next step. Start from a model that knows the tool protocol
-(the SFT model of `tirl demo`: runs/demo/sft); a random model never earns a reward.
+(the SFT model of `tirl demo`: runs/demo/sft); a random model never earns a reward. The endpoint takes
+a bearer token made for this run (kept in memory, handed to the agent's client as its api_key), so no
+other program or web page on the machine can read or end the episodes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import secrets
 import shutil
 import time
 import traceback
@@ -67,12 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def play_group(endpoint: OpenAIEndpoint, problem, step: int, n: int, args) -> list:
+async def play_group(endpoint: OpenAIEndpoint, token: str, problem, step: int, n: int, args) -> list:
     """n episodes of one problem by the agent, each recorded as a tirl Trajectory."""
 
     async def one(j: int):
-        tid = f"s{step}-{problem.id}-{j}"
-        async with AsyncOpenAI(base_url=endpoint.base_url(tid), api_key="unused", max_retries=0) as client:
+        tid = endpoint.trajectory_id()  # unguessable, issued by the endpoint
+        async with AsyncOpenAI(base_url=endpoint.base_url(tid), api_key=token, max_retries=0) as client:
             await solve(
                 client,
                 problem.problem,
@@ -109,7 +112,8 @@ async def train(args: argparse.Namespace) -> list[dict]:
     recorder = ChatRecorder(
         SingleEnginePool(engine), tokenizer, max_response_tokens=budget, prefill="<reason>"
     )
-    endpoint = OpenAIEndpoint(recorder)
+    token = secrets.token_urlsafe(24)  # this run's only: in memory, never written down
+    endpoint = OpenAIEndpoint(recorder, token=token)
     problems = training_problems(args.problems)
     random.Random(args.seed).shuffle(problems)  # a seeded order (cycled when steps x prompts is more)
     rng = random.Random(args.seed)
@@ -118,7 +122,7 @@ async def train(args: argparse.Namespace) -> list[dict]:
         async with RewardPool(RewardConfig(workers=1)) as scorer:
             for step in range(args.steps):
                 history.append(
-                    await one_step(step, problems, rng, endpoint, scorer, learner, engine, alg, args)
+                    await one_step(step, problems, rng, (endpoint, token), scorer, learner, engine, alg, args)
                 )
                 print(json.dumps(history[-1]), flush=True)
                 if args.metrics:
@@ -141,11 +145,12 @@ def training_problems(path: str) -> list:
     return generate(demo.sft_problems + demo.rl_problems, "train", seed=demo.seed)[demo.sft_problems :]
 
 
-async def one_step(step, problems, rng, endpoint, scorer, learner, engine, alg, args) -> dict:
+async def one_step(step, problems, rng, served, scorer, learner, engine, alg, args) -> dict:
+    """One GRPO-RoC step; `served`: the endpoint and its token."""
     start = time.perf_counter()
     batch = [problems[(step * args.prompts + i) % len(problems)] for i in range(args.prompts)]
     groups = await asyncio.gather(
-        *(play_group(endpoint, p, step, alg.oversample * alg.group_size, args) for p in batch)
+        *(play_group(*served, p, step, alg.oversample * alg.group_size, args) for p in batch)
     )
     for problem, group in zip(batch, groups, strict=True):
         rewards = await scorer.score_many([(t.model_turns, problem.answer) for t in group])
