@@ -131,17 +131,6 @@ def full_optimizer_state(model, optimizer, info: DistInfo) -> dict:
     return get_optimizer_state_dict(model, optimizer, options=_options())
 
 
-def load_full_optimizer_state(model, optimizer, state: dict, info: DistInfo) -> None:
-    if not info.enabled:
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(
-        model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    )
-
-
 def all_reduce(values: list[float], info: DistInfo, op: str = "sum") -> list[float]:
     """Reduce a few floats over ranks (sum or max)."""
     if not info.enabled:

@@ -4,7 +4,9 @@ Layout: <run_dir>/checkpoints/step_000050/{shards/, model/, trainer_state.pt}. s
 torch.distributed.checkpoint directory (fp32 weights and AdamW moments, each rank writing and reading
 only its own shards: nothing is gathered and no rank reads another's optimizer state); model/ is a
 Hugging Face model (safetensors, fp32) streamed tensor by tensor from the shards, for engines, eval and
-the next stage; trainer_state.pt holds only counters, schedule, RNG and sampler positions. A LoRA
+the next stage; trainer_state.pt holds only counters, schedule, RNG and sampler positions, as tensors
+and plain values: it loads with weights_only=True, shards/ through tirl.distributed.checkpoint_reader, so
+resuming a checkpoint someone shared runs none of its code (older ones: tirl.rl.checkpoint_convert). A LoRA
 run's checkpoint holds adapter/ (the peft adapter, naming its base model) instead of model/, and
 shards/ only the adapter and its optimizer; its plain HF model is merged on first use
 (checkpoint_model_dir, tirl.rl.lora). A checkpoint is built in a hidden temp directory and renamed
