@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from tests.ports import free_port
+from tests.terminal import tirl_argv, tirl_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -230,7 +230,7 @@ def small(argv: list[str], rule: Rule, port: int) -> list[str]:
     if argv[0] == "make":  # `make demo` = `tirl demo` after `make install`
         argv = ["tirl", "demo", *argv[2:]]
     if argv[0].endswith("tirl"):
-        return [sys.executable, "-m", "tirl.cli", *argv[1:]]
+        return tirl_argv(*argv[1:])
     if argv[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     if argv[0] == "curl":  # an HTTP error is an error
@@ -240,12 +240,6 @@ def small(argv: list[str], rule: Rule, port: int) -> list[str]:
 
 def write_problems(path: Path, rows) -> None:
     path.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in rows))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +253,7 @@ def rundir(tmp_path_factory) -> tuple[Path, dict]:
         write_problems(data / name, rows)
     for name, rows in TRAINING_FILES.items():
         write_problems(cwd / name, rows)
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": pythonpath, "TIRL_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1"}
+    env = tirl_env() | {"TIRL_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1"}
     return cwd, env
 
 

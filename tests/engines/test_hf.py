@@ -8,6 +8,7 @@ import time
 import pytest
 import pytest_asyncio
 import torch
+from tests.logprobs import reference_logprobs
 
 from tirl.engines import EngineConfig, SamplingParams, build_engines, build_pool, load_tokenizer
 from tirl.engines.base import Engine, SingleEnginePool
@@ -29,13 +30,6 @@ def prompts(tiny_model_dir):
     return [
         tok(f"Problem {i}: what is {i} + {i * 3}?", add_special_tokens=False)["input_ids"] for i in range(12)
     ]
-
-
-def _forward_logprobs(model, prompt: list[int], out: list[int], temperature: float = 1.0) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out])).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, -1)
-    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(out)]
 
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -87,7 +81,7 @@ async def test_logprobs_match_a_forward_pass(engine, prompts, temperature, top_p
     gen = await engine.generate(
         prompts[1], SamplingParams(temperature=temperature, top_p=top_p, max_tokens=20, seed=3)
     )
-    ref = _forward_logprobs(engine.model, prompts[1], gen.token_ids, temperature)
+    ref = reference_logprobs(engine.model, prompts[1], gen.token_ids, temperature).tolist()
     if top_p == 1.0:
         assert gen.logprobs == pytest.approx(ref, abs=1e-4)
     else:  # the nucleus is renormalized: each sampled token is at least as likely as under the full softmax

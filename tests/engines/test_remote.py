@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from tests.logprobs import reference_logprobs
+from tests.ports import free_port
 
 from tirl.engines.base import Engine, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
@@ -38,12 +40,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(START_TIMEOUT_S + 300),  # the first test also waits for the server's start
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +163,6 @@ def engine(server, tiny_model_dir):
 @pytest.fixture(scope="module")
 def prompt(tokenizer) -> list[int]:
     return tokenizer("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<reason>")["input_ids"]
-
-
-def reference_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + generated])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    positions = torch.arange(len(prompt) - 1, len(prompt) + len(generated) - 1)
-    return logp[positions, torch.tensor(generated)]
 
 
 def test_is_an_engine_with_the_servers_kv_capacity(engine):

@@ -12,6 +12,7 @@ import importlib.util
 
 import pytest
 import torch
+from tests.logprobs import reference_logprobs
 
 from tirl.engines.base import Engine, SamplingParams
 from tirl.engines.config import EngineConfig
@@ -37,15 +38,6 @@ def engine(tiny_model_dir):
 @pytest.fixture(scope="module")
 def prompt(tokenizer) -> list[int]:
     return tokenizer("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<reason>")["input_ids"]
-
-
-def reference_logprobs(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    """transformers forward pass: log p(generated[i] | prompt + generated[:i])."""
-    ids = torch.tensor([prompt + generated])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    positions = torch.arange(len(prompt) - 1, len(prompt) + len(generated) - 1)
-    return logp[positions, torch.tensor(generated)]
 
 
 def test_is_an_engine_with_capacity(engine):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tests.terminal import run_tirl, tirl_env
+from tests.terminal import run_tirl, tirl_argv, tirl_env
 
 ray = pytest.importorskip("ray")  # `make test` installs tirl[ray]
 
@@ -579,7 +579,6 @@ def test_driver_sigkilled_mid_stage_resumes_exactly_and_leaves_no_ray_process(
     uninterrupted run; and the dead driver's engine, trainer, sandbox and reward actors, with every
     process they started, are gone (Ray ends a job's actors when its driver dies)."""
     import subprocess
-    import sys
 
     import psutil
 
@@ -602,7 +601,7 @@ def test_driver_sigkilled_mid_stage_resumes_exactly_and_leaves_no_ray_process(
     known = {p.pid for p in _new_processes(raylets, set())}  # the cluster's own (agents, idle workers)
     src = str(Path(__file__).parents[2] / "src")
     env = {**os.environ, FAULT_ENV: "update:2", "PYTHONPATH": src}
-    cmd = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "--quiet", "run_name=killed"]
+    cmd = tirl_argv("train", "--config", str(config), "--quiet", "run_name=killed")
     driver = subprocess.Popen(cmd + overrides, env=env, start_new_session=True, stderr=subprocess.PIPE)
     seen: dict[int, tuple[psutil.Process, str]] = {}
 

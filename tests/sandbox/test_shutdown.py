@@ -5,30 +5,21 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
-from tests.terminal import foreground
+from tests.ports import free_port
+from tests.terminal import foreground, tirl_argv
 
 from tirl.sandbox.server import STOPPED
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ctrl_c_answers_inflight_calls_with_503_not_500():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
-        foreground(
-            [sys.executable, "-m", "tirl.cli", "sandbox", "serve", "--port", str(port), "--slots", "2"]
-        ),
+        foreground(tirl_argv("sandbox", "serve", "--port", str(port), "--slots", "2")),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
