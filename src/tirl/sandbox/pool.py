@@ -431,10 +431,8 @@ class Sandbox:
         return await self.sessions.close_session(session)
 
     async def session_zygote(self) -> _Slot:
-        return await self._session_zygote()
-
-    async def _session_zygote(self) -> _Slot:
-        """The zygote that forks sessions, started on first use (and again if it died)."""
+        """The zygote that forks sessions (for the session manager), started on first use (and again
+        if it died)."""
         if self._session_lane is None:
             config = {**self._heavy_config, "max_calls": 1 << 62, "max_growth_mb": 1 << 20}  # never recycled
             self._session_lane = _Slot(self.slots, self._session_plan(), config)
