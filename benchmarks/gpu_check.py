@@ -426,10 +426,16 @@ def colocated_round(ctx: Ctx, lora: bool) -> dict:
     out: dict = {}
     learner.update(first, AlgorithmConfig())
     allocated = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
+    started = time.perf_counter()
     out["offloaded"] = learner.offload("all")
+    out["offload_s"] = round(time.perf_counter() - started, 4)
     if ctx.cuda:
         out["offload_freed_gib"] = round((allocated - torch.cuda.memory_allocated(ctx.device)) / GiB, 3)
+    started = time.perf_counter()
     learner.onload()
+    if ctx.cuda:
+        torch.cuda.synchronize()
+    out["onload_s"] = round(time.perf_counter() - started, 4)
     learner.save(run_dir, 1, None, {"step": 1}, keep_last=2)
     ckpt = latest_checkpoint(run_dir)
     exported = checkpoint_model_dir(ckpt)
