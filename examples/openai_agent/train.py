@@ -184,7 +184,9 @@ def save(learner, tokenizer, model_path: str, args: argparse.Namespace) -> None:
 
 
 class EngineAsRuntime:
-    """The one method LocalLearner.sync_weights calls on a runtime, for one engine."""
+    """What LocalLearner.sync_weights reads of a runtime, for one in-process engine."""
+
+    transport = "load"  # weights handed over in one load_weights call (tirl.runtime.base.Runtime.transport)
 
     def __init__(self, engine):
         self.engine = engine
