@@ -129,6 +129,10 @@ class Sandbox:
 
     async with Sandbox(slots=2) as sb:
         r = await sb.run("print(6 * 7)")
+
+    Memory: running calls and live sessions share `memory_budget_mb` (default the machine's RAM);
+    `calls_reserve_mb` of it is kept for stateless calls (default every slot at the default memory
+    limit, at most half the budget), so sessions can never hold what calls need (admission.py).
     """
 
     def __init__(
