@@ -17,32 +17,47 @@ import re
 import weakref
 from collections.abc import Sequence
 from contextlib import suppress
+from dataclasses import dataclass, field
 
 # An added token written as a tag (`<tool_response>`, `</tool_call>`, `<think>`, `<|fim_pad|>`): markup
 # of the chat or tool format, never data. Added tokens that are data (the demo's number tokens,
 # `\boxed{`) stay tokens in tool text.
 _TAG = re.compile(r"<[^<>\s]+>")
-_CONTROLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHED_FRAME_CHARS = 512  # frames this short (the loop's) have their control count remembered
+_CACHED_FRAMES = 1024
 
 Piece = tuple[str, bool]  # (text, trusted)
+
+
+@dataclass
+class _Controls:
+    by_text: dict[str, int]
+    ids: frozenset[int]
+    frames: dict[str, int] = field(default_factory=dict)  # short trusted text -> its control tokens
+
+
+_CONTROLS: weakref.WeakKeyDictionary[object, _Controls] = weakref.WeakKeyDictionary()
 
 
 def control_tokens(tokenizer) -> dict[str, int]:
     """The tokens tool text may never turn into, by text: every special token and every added token
     written as a tag. Looked up once per tokenizer."""
-    try:
+    return _controls(tokenizer).by_text
+
+
+def _controls(tokenizer) -> _Controls:
+    with suppress(KeyError, TypeError):
         return _CONTROLS[tokenizer]
-    except (KeyError, TypeError):
-        pass
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     found = {t.content: i for i, t in added.items() if t.special or _TAG.fullmatch(t.content)}
     for text in getattr(tokenizer, "all_special_tokens", ()):
         token_id = tokenizer.convert_tokens_to_ids(text)
         if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
             found.setdefault(text, token_id)
+    controls = _Controls(found, frozenset(found.values()))
     with suppress(TypeError):  # a tokenizer that cannot be weakly referenced: looked up every time
-        _CONTROLS[tokenizer] = found
-    return found
+        _CONTROLS[tokenizer] = controls
+    return controls
 
 
 def encode_framed(tokenizer, pieces: Sequence[Piece]) -> list[int]:
@@ -50,18 +65,30 @@ def encode_framed(tokenizer, pieces: Sequence[Piece]) -> list[int]:
 
     ValueError when the ids still hold a control token the frame did not write (a tokenizer whose
     normalizer assembles one from other characters): such text never reaches the model."""
-    controls = control_tokens(tokenizer)
+    controls = _controls(tokenizer)
     text = "".join(t for t, _ in pieces)
-    cuts = _cuts(text, _untrusted_spans(pieces), controls)
+    cuts = _cuts(text, _untrusted_spans(pieces), controls.by_text)
     bounds = [0, *cuts, len(text)]
     chunks = [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
     ids = [i for chunk in chunks for i in _encode(tokenizer, chunk)]
-    _check_frame(tokenizer, ids, pieces, set(controls.values()))
+    _check_frame(tokenizer, ids, pieces, controls)
     return ids
 
 
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _frame_controls(tokenizer, text: str, controls: _Controls) -> int:
+    """How many control tokens the trusted `text` holds, tokenized on its own."""
+    if text in controls.frames:
+        return controls.frames[text]
+    count = sum(i in controls.ids for i in _encode(tokenizer, text))
+    if len(text) <= _CACHED_FRAME_CHARS:
+        if len(controls.frames) >= _CACHED_FRAMES:
+            controls.frames.clear()
+        controls.frames[text] = count
+    return count
 
 
 def _untrusted_spans(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
@@ -91,13 +118,11 @@ def _cuts(text: str, spans: list[tuple[int, int]], controls: dict[str, int]) -> 
     return sorted(cuts)
 
 
-def _check_frame(tokenizer, ids: list[int], pieces: Sequence[Piece], control_ids: set[int]) -> None:
-    framed = sum(
-        i in control_ids for text, trusted in pieces if trusted and text for i in _encode(tokenizer, text)
-    )
-    found = sum(i in control_ids for i in ids)
+def _check_frame(tokenizer, ids: list[int], pieces: Sequence[Piece], controls: _Controls) -> None:
+    framed = sum(_frame_controls(tokenizer, text, controls) for text, trusted in pieces if trusted and text)
+    found = sum(i in controls.ids for i in ids)
     if found != framed:
-        extra = sorted({tokenizer.convert_ids_to_tokens(i) for i in ids if i in control_ids})
+        extra = sorted({tokenizer.convert_ids_to_tokens(i) for i in ids if i in controls.ids})
         raise ValueError(
             f"tool output would reach the model as control token(s) {', '.join(extra)} "
             f"({found} control tokens where the frame writes {framed}); refusing to tokenize it"
