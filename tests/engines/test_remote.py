@@ -160,11 +160,6 @@ def engine(server, tiny_model_dir):
     eng.close_now()
 
 
-@pytest.fixture(scope="module")
-def prompt(tokenizer) -> list[int]:
-    return tokenizer("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<reason>")["input_ids"]
-
-
 def test_is_an_engine_with_the_servers_kv_capacity(engine):
     assert isinstance(engine, Engine)
     cap = engine.capacity()

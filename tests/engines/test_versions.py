@@ -8,16 +8,12 @@ import asyncio
 from contextlib import asynccontextmanager
 
 import pytest
+from tests.event_loop import settle
 
 from tirl.engines.base import Generation, SamplingParams
 from tirl.engines.versions import EngineActivity, VersionedPool, VersionSpan, WeightVersions
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def settle(n: int = 20) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 def test_a_span_records_the_oldest_and_newest_version():

@@ -35,11 +35,6 @@ def engine(tiny_model_dir):
     asyncio.run(eng.close())
 
 
-@pytest.fixture(scope="module")
-def prompt(tokenizer) -> list[int]:
-    return tokenizer("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<reason>")["input_ids"]
-
-
 def test_is_an_engine_with_capacity(engine):
     assert isinstance(engine, Engine)
     cap = engine.capacity()

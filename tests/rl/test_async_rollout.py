@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import pytest_asyncio
 from pydantic import ValidationError
+from tests.event_loop import settle
 from tests.rl.held_tool import Hold
 
 import tirl.rl.async_rollout as ar
@@ -260,11 +261,6 @@ def test_async_config_is_checked():
 FAKE_LOOP = pytest.mark.timeout(60)  # nothing real runs: a minute is a hang
 FAKE_PROBLEMS = [Problem(f"p{i}", f"q{i}", str(i)) for i in range(8)]
 FAKE_AGENT = AgentConfig(max_turns=2, max_response_tokens=64)
-
-
-async def settle(n: int = 20) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 @dataclass

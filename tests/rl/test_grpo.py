@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tests.tensors import log_t
 
 from tirl.rl.grpo import clip_counts, entropy_from_logits, group_advantages, kl_k3, masked_sum, policy_loss
 
@@ -20,15 +21,11 @@ def test_group_advantages_by_hand():
     assert group_advantages([]) == []
 
 
-def _lp(ratios):
-    return torch.log(torch.tensor(ratios, dtype=torch.float64))
-
-
 def test_token_level_loss_by_hand_and_clipping_both_sides():
     old = torch.zeros(2, 3, dtype=torch.float64)
     # sequence 0 (A=+1): ratios 1.0, 1.5 (clipped to 1.28), 0.5 (min keeps 0.5)
     # sequence 1 (A=-1): ratios 0.5 (clipped to 0.8 -> -0.8 < -0.5), 1.5 (min keeps -1.5), padding
-    lp = torch.stack([_lp([1.0, 1.5, 0.5]), _lp([0.5, 1.5, 1.0])])
+    lp = torch.stack([log_t([1.0, 1.5, 0.5]), log_t([0.5, 1.5, 1.0])])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     surrogate = [1.0, 1.28, 0.5, -0.8, -1.5]
@@ -41,7 +38,7 @@ def test_token_level_loss_by_hand_and_clipping_both_sides():
 
 def test_clip_higher_is_asymmetric():
     old = torch.zeros(1, 1, dtype=torch.float64)
-    up = _lp([[1.25]])
+    up = log_t([[1.25]])
     assert float(policy_loss(up, old, torch.tensor([1.0]), torch.ones(1, 1))) == pytest.approx(
         -1.25
     )  # < 1.28
@@ -50,7 +47,7 @@ def test_clip_higher_is_asymmetric():
 
 def test_clipped_tokens_get_no_gradient():
     old = torch.zeros(1, 2, dtype=torch.float64)
-    lp = _lp([[2.0, 1.0]]).requires_grad_(True)
+    lp = log_t([[2.0, 1.0]]).requires_grad_(True)
     policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2)).backward()
     assert lp.grad[0, 0] == 0.0  # ratio 2 > 1.28 with A>0: clipped
     assert lp.grad[0, 1] == pytest.approx(-0.5)  # d(-ratio*A/2)/dlp at ratio 1

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from pydantic import ValidationError
+from tests.tensors import log_t, t
 
 from tirl.distributed.groups import DistInfo
 from tirl.rl.config import AlgorithmConfig, OptimConfig, TrainConfig
@@ -19,13 +20,9 @@ from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.update import grpo_update
 
 
-def _lp(rows):
-    return torch.log(torch.tensor(rows, dtype=torch.float64))
-
-
 def test_weights_are_the_truncated_ratio_of_trained_tokens():
     # pi_old 0.6, 0.3, 0.2, 0.9 against the engine's 0.2, 0.3, 0.4, 0.01: ratios 3, 1, 0.5, 90
-    old, engine = _lp([[0.6, 0.3, 0.2, 0.9]]), _lp([[0.2, 0.3, 0.4, 0.01]])
+    old, engine = log_t([[0.6, 0.3, 0.2, 0.9]]), log_t([[0.2, 0.3, 0.4, 0.01]])
     mask = torch.tensor([[1, 1, 1, 0]])  # the last token is not trained (a tool response)
     w = truncated_is_weights(old, engine, mask, cap=2.0)
     assert w.ratio[0].tolist() == pytest.approx([3.0, 1.0, 0.5, 1.0])
@@ -43,9 +40,9 @@ OLD, ENGINE = [[0.6, 0.3, 0.2], [0.4, 0.1, 0.5]], [[0.2, 0.3, 0.4], [0.4, 0.4, 1
 
 
 def _inputs(requires_grad: bool) -> PolicyInputs:
-    old = _lp(OLD)
-    lp = (old + _lp(RATIOS)).detach().requires_grad_(requires_grad)
-    return PolicyInputs(lp, old, torch.tensor(ADV, dtype=torch.float64), torch.tensor(MASK), _lp(ENGINE))
+    old = log_t(OLD)
+    lp = (old + log_t(RATIOS)).detach().requires_grad_(requires_grad)
+    return PolicyInputs(lp, old, torch.tensor(ADV, dtype=torch.float64), torch.tensor(MASK), log_t(ENGINE))
 
 
 def test_tis_weights_each_tokens_surrogate_in_the_loss_and_its_gradient():
@@ -72,7 +69,9 @@ def test_without_a_cap_the_engine_logprobs_change_nothing():
     assert not any(k.startswith("tis") for k in diag.sums)
     with pytest.raises(ValueError, match="no engine log-probs"):
         capped = Objective(tis_cap=2.0)
-        capped(PolicyInputs(_lp(RATIOS), _lp(OLD), torch.tensor(ADV), torch.tensor(MASK)), BatchCounts(5, 2))
+        capped(
+            PolicyInputs(log_t(RATIOS), log_t(OLD), torch.tensor(ADV), torch.tensor(MASK)), BatchCounts(5, 2)
+        )
 
 
 def test_config_tis_cap_is_checked(tiny_model_dir):
@@ -131,12 +130,6 @@ def test_grpo_update_applies_tis_through_the_policy(policy):
 
 
 # ---- the TIS weights' edges: the cap's check, truncation strictly above it, the log-ratio bound ----
-
-F64 = torch.float64
-
-
-def t(rows, dtype=F64) -> torch.Tensor:
-    return torch.tensor(rows, dtype=dtype)
 
 
 def test_tis_cap_must_be_positive():

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 from pydantic import ValidationError
+from tests.tensors import F64, log_t, t
 
 from tirl.plugins import PluginError
 from tirl.rl.config import AlgorithmConfig
@@ -35,12 +36,8 @@ from tirl.rl.losses import (
 )
 
 
-def _lp(rows):
-    return torch.log(torch.tensor(rows, dtype=torch.float64))
-
-
 def _inputs(ratios, adv, mask, requires_grad=False):
-    lp = _lp(ratios).requires_grad_(requires_grad)
+    lp = log_t(ratios).requires_grad_(requires_grad)
     return PolicyInputs(lp, torch.zeros_like(lp), torch.tensor(adv, dtype=torch.float64), torch.tensor(mask))
 
 
@@ -176,13 +173,6 @@ def test_config_names_come_from_the_registries():
 # ---- the objective's edges that the hand-computed and property tests leave open: exact boundaries of
 # each clip and flag, the numeric guards (log-ratio bounds, empty rows, zero counts), default settings,
 # every diagnostic's value, and the registries' errors ----
-
-F64 = torch.float64
-
-
-def t(rows, dtype=F64) -> torch.Tensor:
-    return torch.tensor(rows, dtype=dtype)
-
 
 # ---- losses: inputs, clip, ratios ----
 
