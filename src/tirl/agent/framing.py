@@ -65,9 +65,12 @@ def encode_framed(tokenizer, pieces: Sequence[Piece]) -> list[int]:
 
     ValueError when the ids still hold a control token the frame did not write (a tokenizer whose
     normalizer assembles one from other characters): such text never reaches the model."""
-    controls = _controls(tokenizer)
     text = "".join(t for t, _ in pieces)
-    cuts = _cuts(text, _untrusted_spans(pieces), controls.by_text)
+    spans = _untrusted_spans(pieces)
+    if not spans:  # all frame (a prompt without tool messages): nothing to cut, nothing to check
+        return _encode(tokenizer, text)
+    controls = _controls(tokenizer)
+    cuts = _cuts(text, spans, controls.by_text)
     bounds = [0, *cuts, len(text)]
     chunks = [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
     ids = [i for chunk in chunks for i in _encode(tokenizer, chunk)]
@@ -103,8 +106,6 @@ def _untrusted_spans(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
 def _cuts(text: str, spans: list[tuple[int, int]], controls: dict[str, int]) -> list[int]:
     """Where to cut `text` so that no control-token string overlapping untrusted text stays whole:
     just after the first character of each one."""
-    if not spans:
-        return []
     cuts: set[int] = set()
     for token in controls:
         if len(token) < 2:  # nothing to cut; _check_frame refuses it if it matters
