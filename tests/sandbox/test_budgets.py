@@ -164,3 +164,51 @@ def test_admission_keeps_the_calls_share_and_lets_calls_use_what_sessions_leave(
         rule.admit_session(200)
     with pytest.raises(ValueError, match="calls_reserve_mb"):
         Admission(max_queue=1, max_sessions=1, budget_mb=100, calls_reserve_mb=200)
+
+
+def _post_head(length: int) -> bytes:
+    return (
+        "POST /run HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer t\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+@session_loop
+async def test_over_real_sockets_an_upload_beyond_the_budget_is_answered_before_it_sends_its_body():
+    """uvicorn reads a connection only as far as the app asks: the refusal needs none of the body."""
+    import socket
+
+    import uvicorn
+
+    from tirl.sandbox.server import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(small_pool(), token="t", max_inflight_bytes=4 << 20)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        body = json.dumps({"code": "print(len(input()))", "stdin": "y" * (3 << 20)}).encode()
+        first_reader, first = await asyncio.open_connection("127.0.0.1", port)
+        first.write(_post_head(len(body)) + body[: 64 << 10])  # 3 MiB reserved, most still unsent
+        await first.drain()
+        await asyncio.sleep(0.3)
+        reader, second = await asyncio.open_connection("127.0.0.1", port)
+        second.write(_post_head(len(body)))  # headers only: it never sends a body byte
+        await second.drain()
+        status = await asyncio.wait_for(reader.readline(), 10)
+        assert status.startswith(b"HTTP/1.1 429"), status
+        second.close()
+        first.write(body[64 << 10 :])
+        await first.drain()
+        answer = await asyncio.wait_for(first_reader.readuntil(b'"stderr"'), 60)
+        assert answer.startswith(b"HTTP/1.1 200") and f'"stdout":"{3 << 20}\\n"'.encode() in answer, answer[
+            :300
+        ]
+        first.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 60)
