@@ -436,7 +436,9 @@ def colocated_round(ctx: Ctx, lora: bool) -> dict:
     if ctx.cuda:
         torch.cuda.synchronize()
     out["onload_s"] = round(time.perf_counter() - started, 4)
+    started = time.perf_counter()
     learner.save(run_dir, 1, None, {"step": 1}, keep_last=2)
+    out["checkpoint_s"] = round(time.perf_counter() - started, 3)  # shards + export (+ merge for LoRA)
     ckpt = latest_checkpoint(run_dir)
     exported = checkpoint_model_dir(ckpt)
     out["export_matches"] = _export_matches(exported, learner.policy, lora)
