@@ -438,7 +438,7 @@ def colocated_round(ctx: Ctx, lora: bool) -> dict:
     out["onload_s"] = round(time.perf_counter() - started, 4)
     started = time.perf_counter()
     learner.save(run_dir, 1, None, {"step": 1}, keep_last=2)
-    out["checkpoint_s"] = round(time.perf_counter() - started, 3)  # shards + export (+ merge for LoRA)
+    out["checkpoint_s"] = round(time.perf_counter() - started, 3)  # shards + HF export (LoRA: the adapter)
     ckpt = latest_checkpoint(run_dir)
     exported = checkpoint_model_dir(ckpt)
     out["export_matches"] = _export_matches(exported, learner.policy, lora)
