@@ -8,6 +8,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ async def test_a_lost_engine_is_counted_once_its_turns_rerouted_and_it_rejoins_b
 class FakeVLLMServer(BaseHTTPRequestHandler):
     """The control endpoints of `vllm serve` a weight sync uses; reloads are recorded."""
 
-    reloads: list[str] = []
+    reloads: ClassVar[list[str]] = []
 
     def do_GET(self) -> None:
         body = {"/v1/models": {"data": [{"id": "tiny", "max_model_len": 256}]}}.get(self.path, {})
