@@ -28,12 +28,15 @@ class Canned:
         self.name = "canned"
         self.gate: threading.Event | None = None
         self.refuse = False
+        self.crash = False
         self.calls = 0
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         self.calls += 1
         if self.refuse:
             raise ValueError("prompt does not fit the engine's context")
+        if self.crash:
+            raise RuntimeError("the engine died")
         while self.gate is not None and not self.gate.is_set():
             await asyncio.sleep(0.02)
         return Generation(list(self.ids), [-0.5] * len(self.ids), "stop", version=1)
@@ -278,6 +281,19 @@ def test_a_refused_first_request_gives_its_lease_back(served):
     engine.refuse = False
     assert chat(endpoint, tid).status_code == 200, "the id can be retried"
     assert held(pool) == 1
+
+
+def test_an_engine_failure_is_a_json_error_and_undoes_the_request(served):
+    endpoint, engine, pool = served
+    tid = endpoint.trajectory_id("t")
+    first = chat(endpoint, tid).json()
+    history = [*MESSAGES, first["choices"][0]["message"], {"role": "tool", "content": "42"}]
+    engine.crash = True
+    resp = chat(endpoint, tid, {"messages": history})
+    assert resp.status_code == 500 and "the engine died" in resp.json()["error"]["message"]
+    assert len(endpoint.recorder.recording(tid).messages) == 3 and held(pool) == 1
+    engine.crash = False
+    assert chat(endpoint, tid, {"messages": history}).status_code == 200
 
 
 def test_an_abandoned_trajectory_expires_and_gives_its_lease_back(tokenizer):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import secrets
 import threading
@@ -752,6 +753,11 @@ def create_app(recorder: ChatRecorder, policy: GuardPolicy | None = None) -> Fas
             return _error(e.status, str(e))
         except (ValueError, TemplateError) as e:  # a prompt longer than the engine's context, a template
             return _error(400, str(e))  # that cannot render these messages
+        except Exception as e:  # the engine failed the turn: the request was undone, it may be sent again
+            logging.getLogger(__name__).exception("trajectory %s: the request failed", tid)
+            return _error(
+                500, f"the engine failed this turn ({type(e).__name__}: {e}); the trajectory is as it was"
+            )
 
     @app.post("/t/{tid}/v1/chat/completions")
     async def chat_by_path(tid: str, request: Request) -> JSONResponse:
