@@ -3,8 +3,12 @@ files, and one-line errors that name the key."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
+import tirl
 from tirl.agent.config import AgentConfig
 from tirl.config import ConfigError, apply_overrides, ensure_writable_dir, load_config
 from tirl.rl.config import TrainConfig
@@ -54,8 +58,44 @@ def test_a_section_may_name_a_yaml_file_beside_the_config(tmp_path):
     cfg = load_config(TrainConfig, tmp_path / "train.yaml", ["agent.max_turns=5"])
     assert cfg.agent == AgentConfig(max_turns=5, system_prompt="Use the python tool.")
     (tmp_path / "bad.yaml").write_text("model: m\nstages: [{steps: 1, data: x}]\nagent: nowhere.yaml\n")
-    with pytest.raises(ConfigError, match=r"config file not found: .*nowhere\.yaml"):
+    with pytest.raises(
+        ConfigError, match=r"agent: nowhere\.yaml names .*nowhere\.yaml, which does not exist"
+    ):
         load_config(TrainConfig, tmp_path / "bad.yaml")
+
+
+def test_a_demo_config_copied_elsewhere_says_where_its_section_file_is_in_one_line(tmp_path):
+    demo = Path(tirl.__file__).parent / "configs" / "demo"
+    copy = tmp_path / "mytrain.yaml"
+    shutil.copy(demo / "train.yaml", copy)
+    with pytest.raises(ConfigError) as raised:
+        load_config(TrainConfig, copy)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(
+        f"{copy}: agent: agent.yaml names {tmp_path / 'agent.yaml'}"
+    )
+    assert message.endswith(f"write its path: agent: {demo / 'agent.yaml'})"), message
+    copy.write_text(copy.read_text().replace("agent: agent.yaml", f"agent: {demo / 'agent.yaml'}"))
+    assert load_config(TrainConfig, copy).agent.max_turns > 0  # the line's advice, followed, loads
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("optim.lrr=1", "optim.lrr: Extra inputs are not permitted (got 1); did you mean 'lr'?"),
+        ("enigne.device=cpu", "enigne: Extra inputs are not permitted; did you mean 'engine'?"),
+        ("stages.0.stepz=3", "stages.0.stepz: Extra inputs are not permitted (got 3); did you mean 'steps'?"),
+        (
+            "optim.lora.rnak=8",
+            "optim.lora.rnak: Extra inputs are not permitted (got 8); did you mean 'rank'?",
+        ),
+        ("optim.zzz=1", "optim.zzz: Extra inputs are not permitted (got 1)\n"),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_key_gets_did_you_mean_from_its_own_section(override, hint):
+    with pytest.raises(ConfigError) as raised:
+        load_config(TrainConfig, None, [*BASE, override])
+    assert f"  {hint}" in f"{raised.value}\n", str(raised.value)
 
 
 def test_unwritable_output_is_found_before_any_work(tmp_path):

@@ -11,6 +11,7 @@ Three departures from plain PyYAML, both so that what the docs write works as wr
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import typing
@@ -138,18 +139,34 @@ def _section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
     return None
 
 
-def include_sections(model: type[BaseModel], data: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Replace `section: other.yaml` by that file's mapping (relative to `base`)."""
+def include_sections(
+    model: type[BaseModel], data: dict[str, Any], base: Path, config: Path | None = None
+) -> dict[str, Any]:
+    """Replace `section: other.yaml` by that file's mapping (relative to `base`, the directory of
+    `config` when the config file names it)."""
     for key, value in data.items():
         if isinstance(value, str) and value.endswith((".yaml", ".yml")) and _section_model(model, key):
-            data[key] = read_yaml(base / value)
+            path = base / value
+            if config is not None and not path.is_file():  # e.g. a demo config copied elsewhere alone
+                raise ConfigError(_missing_section_file(key, value, path, config))
+            data[key] = read_yaml(path)
     return data
+
+
+def _missing_section_file(key: str, value: str, path: Path, config: Path) -> str:
+    """One line: where a config's section file was looked for, and the shipped file of that name."""
+    shipped = sorted((Path(__file__).parent / "configs").rglob(Path(value).name))
+    hint = f", or write its path: {key}: {shipped[0]}" if shipped else ""
+    return (
+        f"{config}: {key}: {value} names {path}, which does not exist (a section file is relative to "
+        f"the config that names it: copy it beside {config.name}{hint})"
+    )
 
 
 def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] | None = None) -> M:
     data = read_yaml(path) if path is not None else {}
     if path is not None:
-        data = include_sections(model, data, Path(path).parent)
+        data = include_sections(model, data, Path(path).parent, Path(path))
     data = apply_overrides(data, list(overrides or []))
     data = include_sections(model, data, Path.cwd())  # `cluster=path/to/cluster.yaml` on the command line
     return validate(model, data, f" in {path}" if path else "")
@@ -160,16 +177,41 @@ def validate(model: type[M], data: dict[str, Any], where: str = "") -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {_message(err)}" for err in e.errors()]
+        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {_message(err, model)}" for err in e.errors()]
         raise ConfigError(f"invalid config{where}:\n" + "\n".join(lines)) from e
 
 
-def _message(err: dict) -> str:
+def _message(err: dict, model: type[BaseModel]) -> str:
     if err["type"] == "missing":
         return "required: set it in the config or as key=value"
     got = err.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
-    return f"{err['msg']}{shown}"
+    return f"{err['msg']}{shown}{_did_you_mean(model, err) if err['type'] == 'extra_forbidden' else ''}"
+
+
+def _did_you_mean(model: type[BaseModel], err: dict) -> str:
+    """`; did you mean 'lr'?` for an unknown key close to a valid key of its section (difflib)."""
+    *parents, leaf = err["loc"]
+    section: type[BaseModel] | None = model
+    for part in parents:  # a list index (stages.0) stays in the list's entry model
+        section = section if isinstance(part, int) else _entry_model(section, str(part))
+        if section is None:
+            return ""
+    names = [f.alias or name for name, f in section.model_fields.items()]
+    close = difflib.get_close_matches(str(leaf), names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _entry_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    """The BaseModel of field `key`, also as `X | None` or as the entries of `list[X]`."""
+    field = model.model_fields.get(key)
+    if field is None:
+        return None
+    for candidate in (field.annotation, *typing.get_args(field.annotation)):
+        for inner in (candidate, *typing.get_args(candidate)):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
 
 
 def ensure_writable_dir(path: str | Path, what: str, private: bool = False) -> Path:
