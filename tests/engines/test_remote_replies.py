@@ -93,9 +93,9 @@ async def generate(engine: ServerEngine, max_tokens: int = 4):
 
 async def test_a_good_reply_passes(hostile):
     server, engine = hostile
-    server.reply = completion([5, VOCAB - 1], [-0.5, 0.0])
+    server.reply = completion([5, VOCAB - 1, 0], [-0.5, 0.0, 5e-5])  # a hair above 0: rounding
     gen = await generate(engine)
-    assert (gen.token_ids, gen.logprobs, gen.finish_reason) == ([5, VOCAB - 1], [-0.5, 0.0], "stop")
+    assert (gen.token_ids, gen.logprobs, gen.finish_reason) == ([5, VOCAB - 1, 0], [-0.5, 0.0, 5e-5], "stop")
     assert server.requests[-1]["prompt"] == [1, 2, 3]
 
 

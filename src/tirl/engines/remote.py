@@ -250,9 +250,15 @@ def _floats(values: list) -> list[float]:
     return [float(v) for v in values]
 
 
+# A log-softmax is <= 0 in floating point too, but a server's fused kernels may round a certain token's
+# log-prob a hair above 0: that is noise, not a probability above 1.
+LOGPROB_ROUNDING = 1e-4
+
+
 def check_generation(gen: Generation, max_tokens: int, vocab_size: int | None, server: str) -> Generation:
     """The reply as training may take it: ids in [0, vocab_size), at most max_tokens of them, one
-    finite log-prob <= 0 per token. Otherwise InvalidReplyError naming the first thing wrong."""
+    finite log-prob <= 0 per token (LOGPROB_ROUNDING above it allowed). Otherwise InvalidReplyError
+    naming the first thing wrong."""
     ids, lps = gen.token_ids, gen.logprobs
     if len(ids) > max_tokens:
         raise InvalidReplyError(
@@ -268,7 +274,7 @@ def check_generation(gen: Generation, max_tokens: int, vocab_size: int | None, s
                 "is the server serving the model of engine.model?"
             )
     for i, lp in enumerate(lps):
-        if not (math.isfinite(lp) and lp <= 0.0):
+        if not (math.isfinite(lp) and lp <= LOGPROB_ROUNDING):
             raise InvalidReplyError(
                 f"{server}: token {i} has log-prob {lp!r}: a log-probability is finite and <= 0 "
                 "(start vLLM with --logprobs-mode processed_logprobs)"
