@@ -382,6 +382,18 @@ def _allocate_adam_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+_MEASURED: dict[tuple[str, int, str], TrainingMemory] = {}
+
+
+def measured(config, world: int, workload: Workload) -> TrainingMemory:
+    """measure_training, once per (architecture, world, workload) in this process: the fixes and
+    --largest plan the same settings more than once."""
+    key = (config.to_json_string(), world, repr(workload))
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_training(config, world, workload)
+    return _MEASURED[key]
+
+
 def measure_training(config, world: int, workload: Workload) -> TrainingMemory:
     """Peak memory of a training update's steady state on rank 0 of `world` ranks (no GPU, no weights):
     MICRO_BATCHES micro-batches of the worst shape accumulate their gradients (the second one's backward
@@ -581,9 +593,9 @@ def allocator_slack() -> float:
 def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "", advise: bool = True) -> Plan:
     """Measure training, size the engines, judge each phase against the GPU's memory, and (`advise`)
     find the config overrides that make a plan that does not fit fit (re-measured: they converge)."""
-    plan = plan_from(config, cluster, workload, name, measure_training(config, cluster.gpus, workload))
+    plan = plan_from(config, cluster, workload, name, measured(config, cluster.gpus, workload))
     if advise and not plan.fits:
-        plan.fixes = _fixes(config, plan)
+        plan.fixes = fixes_for(config, plan)
     return plan
 
 
@@ -749,7 +761,7 @@ def _max_model_len_fix(config, plan: Plan) -> int | None:
 # ---- fixes: overrides that make it fit, each checked by planning again ----
 
 
-def _fixes(config, plan: Plan) -> dict[str, str]:
+def fixes_for(config, plan: Plan) -> dict[str, str]:
     """Config overrides that make `plan` fit, checked by planning again with them (so applying them
     converges): the engine's from its arithmetic, then training's by measuring (fewer sequences per
     micro-batch; then, at one sequence, gradient checkpointing, then LoRA). Empty when none is found."""
@@ -764,7 +776,7 @@ def _fixes(config, plan: Plan) -> dict[str, str]:
         length = int(engine["max_model_len"])
         workload = replace(w, engine=engine, micro_batch=micro_batch_shape(_tokens(w), length))
         if workload.micro_batch != w.micro_batch:
-            training = measure_training(config, plan.cluster.gpus, workload)
+            training = measured(config, plan.cluster.gpus, workload)
     final = plan_from(config, plan.cluster, workload, plan.architecture, training)
     if not _training_fits(final):
         found = _training_fix(config, final)
@@ -804,32 +816,39 @@ def _engine_fix(config, plan: Plan) -> dict[str, Any] | None:
 
 
 def _training_fix(config, plan: Plan) -> tuple[Plan, dict[str, str]] | None:
-    """A training setting that fits, measured: the most sequences per micro-batch that fit; at one
-    sequence, gradient checkpointing and then LoRA (rank 16, all linear layers) on as well."""
+    """A training setting that fits, measured: the most sequences per micro-batch that fit; else
+    gradient checkpointing and then LoRA (rank 16, all linear layers) on, at the configured micro-batch
+    when it fits so, at one sequence otherwise."""
     w = plan.workload
     b, n = w.micro_batch
     one = plan if b == 1 else _plan_with(config, plan, replace(w, micro_batch=(1, n)))
-    fixes = {} if b == 1 else {"optim.micro_batch_tokens": str(n)}
     if _training_fits(one):
         best = _most_sequences(config, plan, one)
         return best, {"optim.micro_batch_tokens": str(_tokens(best.workload))}
+    changes: dict[str, Any] = {}
+    fixes: dict[str, str] = {}
     for key, change in (
         ("optim.gradient_checkpointing", {"gradient_checkpointing": True}),
-        ("optim.lora.enabled", {"lora": DEFAULT_LORA}),
+        ("optim.lora.enabled", {"lora": default_lora()}),
     ):
-        if getattr(one.workload, next(iter(change))):
+        if getattr(w, next(iter(change))):
             continue
-        one = _plan_with(config, one, replace(one.workload, **change))
+        changes |= change
         fixes[key] = "true"
+        one = _plan_with(config, one, replace(one.workload, **changes))
         if _training_fits(one):
-            return one, fixes
+            full = _plan_with(config, plan, replace(w, **changes)) if b > 1 else one
+            if _training_fits(full):
+                return full, fixes
+            return one, fixes | {"optim.micro_batch_tokens": str(n)}
     return None
 
 
-# LoRA as `optim.lora.enabled=true` alone sets it (tirl.rl.config.LoraConfig's defaults).
-DEFAULT_LORA: dict[str, Any] = dict(
-    enabled=True, rank=16, alpha=32.0, dropout=0.0, target_modules=["all-linear"], init_seed=0
-)
+def default_lora() -> dict[str, Any]:
+    """optim.lora as `optim.lora.enabled=true` alone sets it."""
+    from tirl.rl.config import LoraConfig
+
+    return LoraConfig(enabled=True).model_dump()
 
 
 def _plan_with(config, plan: Plan, workload: Workload) -> Plan:
@@ -838,7 +857,7 @@ def _plan_with(config, plan: Plan, workload: Workload) -> Plan:
         plan.cluster,
         workload,
         plan.architecture,
-        measure_training(config, plan.cluster.gpus, workload),
+        measured(config, plan.cluster.gpus, workload),
     )
 
 

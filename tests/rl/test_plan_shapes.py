@@ -1,0 +1,208 @@
+"""`tirl plan` over the cluster shapes users run: 1, 8 and 64 GPUs, LoRA on and off, colocated (the
+trainer offloaded or not) and separate engines, tensor parallel engines, and advice that names the
+keys, never contradicts itself and, applied, gives a plan that fits.
+
+The model is Qwen3-14B's width (hidden 5120, the full vocabulary) with two layers: fake tensors make
+its size free, the layers' count is what costs time. Measurements are shared across the module
+(tirl.rl.plan.measured caches them per process)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import tirl
+from tirl.rl.plan import (
+    ENGINE_ASLEEP,
+    QWEN3_14B,
+    TRAINER_CONTEXT,
+    ClusterShape,
+    GiB,
+    Workload,
+    architecture_config,
+    default_lora,
+    engine_memory,
+    fixes_for,
+    measured,
+    parameter_count,
+    plan_from,
+)
+
+RECIPE = Path(tirl.__file__).parent / "configs" / "rstar2" / "train.yaml"
+ENGINE = dict(
+    max_model_len=4096,
+    gpu_memory_utilization=0.5,
+    tensor_parallel_size=1,
+    dtype="bfloat16",
+    max_batch_size=256,
+)
+SHAPE = (2, 4096)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**QWEN3_14B | {"num_hidden_layers": 2})
+
+
+@pytest.fixture(scope="module")
+def wide_dir(wide, tmp_path_factory) -> Path:
+    """The two-layer model as a directory `--arch` reads (its config.json only)."""
+    path = tmp_path_factory.mktemp("wide")
+    wide.save_pretrained(path)
+    return path
+
+
+def _workload(lora: bool = False, engine: dict | None = ENGINE, shape=SHAPE) -> Workload:
+    return Workload(shape, True, True, engine, lora=default_lora() if lora else None)
+
+
+@pytest.mark.parametrize("world,lora", [(1, False), (1, True), (8, False), (8, True), (64, False)])
+def test_each_rank_holds_its_share_of_the_state(wide, world, lora):
+    """Parameters, accumulated gradients and AdamW moments per GPU: the whole model in fp32 on one GPU
+    (the single-process trainer), 1/world of it under FSDP2; with LoRA the base in bf16 and gradients
+    and moments of the adapters only."""
+    memory = measured(wide, world, _workload(lora))
+    params = parameter_count(wide)
+    trained = memory.trainable
+    base = (params - trained) * 2 + trained * 4 if lora else params * 4
+    assert trained == params if not lora else 0 < trained < params / 50
+    assert memory.by_category["Sharded Param"] == pytest.approx(base / world, rel=0.01)
+    assert memory.by_category["Sharded Grad"] == pytest.approx(trained * 4 / world, rel=0.01)
+    assert memory.by_category["OptState"] == pytest.approx(trained * 8 / world, rel=0.01)
+    assert memory.resident == pytest.approx((base + trained * 8) / world, rel=0.01)
+    state = base / world + trained * 12 / world
+    assert state < memory.peak < state + 12 * GiB  # plus activations, gathered layers, the head's chunk
+
+
+def test_more_gpus_need_less_memory_each(wide):
+    peaks = [measured(wide, world, _workload()).peak for world in (1, 8, 64)]
+    assert peaks[0] > peaks[1] > peaks[2]
+    assert measured(wide, 1, _workload(lora=True)).peak < peaks[0] / 2
+
+
+def _terms(line: str) -> tuple[list[float], float, float]:
+    """'phase: a 1.0 + b 2.0 = 3.0 GiB of 80.0' -> ([1.0, 2.0], 3.0, 80.0)"""
+    body, total = line.split(" = ")
+    values = [float(term.split()[-1]) for term in body.split(": ", 1)[1].split(" + ")]
+    total_gib, memory = re.match(r"([\d.]+) GiB of ([\d.]+)", total).groups()
+    return values, float(total_gib), float(memory)
+
+
+@pytest.mark.parametrize("colocated,offload", [(True, True), (True, False), (False, False)])
+def test_each_phase_per_gpu_by_layout(wide, colocated, offload):
+    """Training, rollout and weight sync per GPU for colocated engines (the trainer offloaded during
+    rollouts, as the synchronous trainer does, or not) and separate ones; every printed sum adds up."""
+    training = measured(wide, 8, _workload())
+    plan = plan_from(wide, ClusterShape(8, 40 * GiB, colocated, offload), _workload(), "wide", training)
+    peak, engine = training.peak, plan.engine
+    asleep = ENGINE_ASLEEP if colocated else 0
+    assert plan.training_total == peak + int(peak * plan.slack) + int(TRAINER_CONTEXT) + int(asleep)
+    beside = (0 if offload else training.resident) + int(TRAINER_CONTEXT) if colocated else 0
+    assert plan.rollout_total == engine.budget + beside
+    if colocated:  # the woken engine's weights next to the trainer's parameters and one gathered tensor
+        largest = wide.vocab_size * wide.hidden_size * 4
+        expected = engine.weights + int(ENGINE_ASLEEP) + training.by_category["Sharded Param"] + largest
+        assert plan.sync_total == expected + int(TRAINER_CONTEXT)
+    else:
+        assert plan.sync_total is None
+    summed = [line for line in plan.lines() if " GiB of " in line]
+    assert len(summed) == (3 if colocated else 2)
+    for line in summed:
+        values, total, memory = _terms(line.split("; resident")[0])
+        assert sum(values) == pytest.approx(total, abs=0.05 * len(values)) and memory == 40.0
+
+
+@pytest.mark.parametrize("tp,weights_gib,kv_per_token,trajectories", [
+    (1, 27.51, 160 * 1024, 8), (2, 13.75, 80 * 1024, 28), (8, 3.44, 20 * 1024, 148),
+    (16, 1.72, 20 * 1024, 154),  # more GPUs than KV heads: vLLM replicates them
+])  # fmt: skip
+def test_tensor_parallel_engines_split_weights_and_kv_heads(tp, weights_gib, kv_per_token, trajectories):
+    """One GPU of a Qwen3-14B engine at 0.65 of 80 GiB, 16K-token trajectories."""
+    config = architecture_config("qwen3-14b")
+    engine = ENGINE | {"max_model_len": 16384, "gpu_memory_utilization": 0.65, "tensor_parallel_size": tp}
+    memory = engine_memory(config, parameter_count(config), 80 * GiB, engine)
+    assert memory.weights / GiB == pytest.approx(weights_gib, abs=0.01)
+    assert memory.kv_per_token == kv_per_token and memory.trajectories == trajectories
+    assert memory.weights + memory.reserve + memory.kv_cache == memory.budget
+
+
+def _applied(workload: Workload, fixes: dict[str, str]) -> Workload:
+    from dataclasses import replace
+
+    engine = dict(workload.engine)
+    for key, value in fixes.items():
+        assert key.startswith("engine."), key
+        engine[key.removeprefix("engine.")] = float(value) if "." in value else int(value)
+    return replace(workload, engine=engine)
+
+
+@pytest.mark.parametrize("utilization,offload,direction", [(0.95, False, "lower"), (0.05, True, "raise")])
+def test_engine_advice_moves_one_knob_one_way_and_converges(wide, utilization, offload, direction):
+    training = measured(wide, 8, _workload())
+    cluster = ClusterShape(8, 40 * GiB, True, offload)
+    workload = _workload(engine=ENGINE | {"gpu_memory_utilization": utilization})
+    plan = plan_from(wide, cluster, workload, "wide", training)
+    assert not plan.fits
+    fixes = fixes_for(wide, plan)
+    assert list(fixes) == ["engine.gpu_memory_utilization"]
+    new = float(fixes["engine.gpu_memory_utilization"])
+    assert (new < utilization) if direction == "lower" else (new > utilization)
+    assert sum("gpu_memory_utilization" in item for item in plan.advice) == 1
+    assert plan_from(wide, cluster, _applied(workload, fixes), "wide", training).fits
+
+
+def test_an_engine_no_utilization_can_hold_gets_tensor_parallel_or_a_shorter_context(wide):
+    """The 14B's bf16 weights (27.5 GiB) leave a 24 GiB card no room at any utilization: the advice
+    names tensor parallelism (no max_model_len helps: the weights alone overflow), not the utilization."""
+    config = architecture_config("qwen3-14b")
+    training = measured(wide, 8, _workload(lora=True))  # a stand-in that fits: the engine is judged here
+    engine = ENGINE | {"max_model_len": 16384, "gpu_memory_utilization": 0.9}
+    plan = plan_from(config, ClusterShape(8, 24 * GiB, True, True), _workload(True, engine), "14b", training)
+    advice = next(item for item in plan.advice if "no engine.gpu_memory_utilization" in item)
+    assert "set engine.tensor_parallel_size=2" in advice and "set engine.gpu_memory_utilization" not in advice
+    assert "raise" not in advice and "lower" not in advice
+    fixed = _applied(plan.workload, {"engine.tensor_parallel_size": "2"}).engine
+    assert engine_memory(config, plan.parameters, 24 * GiB, fixed).trajectories >= 1
+
+
+def _plan_cli(args: list[str]):
+    from typer.testing import CliRunner
+
+    from tirl.cli import app
+
+    return CliRunner().invoke(app, ["plan", "--config", str(RECIPE), *args])
+
+
+def test_a_24gb_card_gets_advice_that_fits_when_applied(wide_dir):
+    """One 24 GiB consumer GPU, full fine-tuning: the plan does not fit and prints the overrides that
+    do (LoRA here: the fp32 state alone is 33 GiB), never a micro_batch_tokens below max_model_len;
+    applied as printed, the plan fits."""
+    base = ["--arch", str(wide_dir), "--gpus", "1", "--gpu-memory", "24"]
+    small = ["engine.max_model_len=4096", "optim.micro_batch_tokens=8192"]
+    result = _plan_cli([*base, *small])
+    assert result.exit_code == 1, result.output
+    fix_line = next(line for line in result.output.splitlines() if line.startswith("fits with: "))
+    fixes = fix_line.removeprefix("fits with: ").split()
+    assert "optim.lora.enabled=true" in fixes
+    tokens = [int(f.split("=")[1]) for f in fixes if f.startswith("optim.micro_batch_tokens=")]
+    assert all(t >= 4096 for t in tokens)
+    again = _plan_cli([*base, *small, *fixes])
+    assert again.exit_code == 0 and "FITS" in again.output, again.output
+
+
+def test_the_largest_micro_batch_that_fits(wide_dir):
+    """--largest micro-batch: one line naming the key and its value, then the plan of that value, which
+    fits; one sequence more does not."""
+    base = ["--arch", str(wide_dir), "--gpus", "8", "--gpu-memory", "24", "engine.max_model_len=4096"]
+    result = _plan_cli([*base, "--largest", "micro-batch"])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("largest optim.micro_batch_tokens that fits: ")
+    tokens = int(first.rsplit(" ", 1)[1])
+    assert tokens >= 4096 and tokens % 4096 == 0 and "FITS" in result.output
+    over = _plan_cli([*base, f"optim.micro_batch_tokens={tokens + 4096}"])
+    assert over.exit_code == 1, over.output
