@@ -49,7 +49,7 @@ import threading
 import time
 from collections import OrderedDict
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -216,18 +216,20 @@ class Recording:
     last_used: float = field(default_factory=time.monotonic)
 
     def snapshot(self) -> dict[str, Any]:
-        """The state a request changes, copied: a request that fails is undone with `restore`."""
-        return {name: _copy(getattr(self, name)) for name in _REQUEST_STATE}
+        """The state a request may change (every field but the trajectory's identity, its lease and
+        lock), lists copied: a request that fails is undone with `restore`."""
+        return {
+            f.name: _copy(getattr(self, f.name)) for f in fields(self) if f.name not in _NOT_REQUEST_STATE
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             setattr(self, name, value)
 
 
-_REQUEST_STATE = (
-    "prompt_ids", "ids", "messages", "loss_mask", "logprobs", "versions", "closing", "turns", "drift",
-    "last_finish", "generated_text", "gen_seconds",
-)  # fmt: skip
+_NOT_REQUEST_STATE = frozenset(
+    {"trajectory_id", "group", "tools", "engine", "stack", "engine_handle", "lock", "last_used"}
+)
 
 
 def _copy(value: Any) -> Any:
