@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from tests.terminal import run_tirl
+from tests.terminal import run_tirl, tirl_env
 from tests.train_config import write_train_config
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+# How the tests start tirl (tests.terminal: `python -m tirl.cli`), so the commands tirl prints to run next.
+TIRL = shlex.join([sys.executable, "-m", "tirl.cli"])
 
 
 def _tirl(*args: str) -> subprocess.CompletedProcess:
@@ -39,6 +42,30 @@ def test_usage_errors_are_one_error_line(args, line):
     done = _tirl(*args)
     assert done.returncode == 2 and done.stderr.strip() == line, done.stderr
     assert done.stdout == ""
+
+
+def test_a_file_given_as_the_model_is_one_error_line():
+    """`model=<a file>` (relative, so not taken for a hub id's local path before): one line, as eval's;
+    before, transformers read the file as a config.json and the trainer printed a 196-line traceback."""
+    train = Path(SRC) / "tirl" / "configs" / "demo" / "train.yaml"
+    done = _tirl("train", "--config", str(train), "model=pyproject.toml", "engine.backend=hf")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(
+        "error: model pyproject.toml: a file, not a directory; give a model directory"
+    )
+    done = _tirl("eval", "--model", "pyproject.toml", "--data", "aime24")
+    assert done.returncode == 2 and done.stderr.startswith("error: model pyproject.toml: a file, not"), (
+        done.stderr
+    )
+
+
+def test_the_command_to_run_next_is_the_tirl_that_ran():
+    """A printed resume command starts with the tirl this process is (`tirl` alone may not be on PATH)."""
+    from tirl.cli import tirl_command
+
+    assert tirl_command(".venv/bin/tirl", "/x/python") == [".venv/bin/tirl"]
+    assert tirl_command("/opt/venv/bin/tirl", "/x/python") == ["/opt/venv/bin/tirl"]  # found on PATH
+    assert tirl_command(f"{SRC}/tirl/cli.py", "/x/python") == ["/x/python", "-m", "tirl.cli"]
 
 
 def test_config_errors_are_one_error_line_naming_the_file_and_the_known_names(tmp_path):
@@ -108,11 +135,12 @@ def test_a_run_stopped_by_its_alerts_says_what_alerted_and_the_command_that_goes
         and "of rollouts hit the length limit" in lines[0]
     ), done.stderr[-3000:]
     assert lines[1].startswith(f"no checkpoint was written before step 1: start over from {tiny_model_dir}")
-    again = f"tirl train --config {config} seed=3 run_name=r-retry optim.lr=5e-05"
+    again = f"{TIRL} train --config {config} seed=3 run_name=r-retry optim.lr=5e-05"
     assert lines[2] == f"  {again}", lines
     assert (run_dir / "checkpoints" / "step_000001").is_dir()  # written during the alerts: not offered
-    # The command it gives runs (and, on these settings, stops the same way, in its own directory).
-    done = run_tirl(*shlex.split(again)[1:], timeout=420)
+    # The command it gives runs as printed (and, on these settings, stops the same way, in its own
+    # directory).
+    done = subprocess.run(shlex.split(again), env=tirl_env(), capture_output=True, text=True, timeout=420)
     assert done.returncode == 1 and "after alerts on steps 1-2 of " in done.stderr, done.stderr[-3000:]
     assert (tmp_path / "runs" / "r-retry" / "checkpoints" / "step_000001").is_dir()
 
@@ -148,5 +176,5 @@ def test_a_stopped_run_with_a_checkpoint_before_the_alerts_goes_on_from_it(
         f"the last good checkpoint is {good}: go on from it with half the learning rate"
     ) in done.output
     assert (
-        f"  tirl train --config {config} optim.lr=1e-6 model={good} run_name=r-from-step_000010 optim.lr=5e-07"
+        f"  {TIRL} train --config {config} optim.lr=1e-6 model={good} run_name=r-from-step_000010 optim.lr=5e-07"
     ) in done.output

@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -166,7 +167,7 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path, 
     output.drain()
     foreign = [line for line in output.text.splitlines() if any(f in line for f in FOREIGN)]
     assert not foreign, output.text[-3000:]
-    expected = f"continue with: tirl train --config {config} seed=3 --resume"
+    expected = f"continue with: {shlex.join(argv)} --resume"  # the tirl that ran: it runs as printed
     assert expected in output.text and "is saved at step_00000" in output.text, output.text[-3000:]
 
 

@@ -382,6 +382,16 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(2) from None
 
 
+def tirl_command(argv0: str | None = None, python: str | None = None) -> list[str]:
+    """The command that started this tirl, for a command line it prints to be run as printed (`tirl`
+    alone may not be on PATH): the console script as invoked (`.venv/bin/tirl`, or its full path when
+    found on PATH), else `python -m tirl.cli` with this interpreter."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    if os.path.basename(argv0) == "tirl":
+        return [argv0]
+    return [python or sys.executable, "-m", "tirl.cli"]
+
+
 def _echo_main(text: str, err: bool = False) -> None:
     """Print once under torchrun (rank 0), as in a single process."""
     import os
@@ -476,7 +486,7 @@ def _alert_stopped(e: Exception, cfg, command: str, config: str, overrides: list
     first, last, alerts = streak
     steps = f"step {last}" if first == last else f"steps {first}-{last}"
     good = last_good_checkpoint(cfg.run_dir, first)
-    again = ["tirl", command, "--config", config, *overrides]
+    again = [*tirl_command(), command, "--config", config, *overrides]
     if good is None:
         where = f"no checkpoint was written before step {first}: start over from {cfg.model}"
         again.append(f"run_name={cfg.run_name}-retry")
@@ -500,7 +510,7 @@ def _interrupted(cfg, command: str, config: str, overrides: list[str]) -> None:
     from tirl.rl.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(cfg.run_dir)
-    again = shlex.join(["tirl", command, "--config", config, *overrides])
+    again = shlex.join([*tirl_command(), command, "--config", config, *overrides])
     if ckpt is None:
         _echo_main(f"interrupted before the first checkpoint of {cfg.run_dir}; start it over with: {again}")
     else:
@@ -561,6 +571,16 @@ def demo(
         "--resume",
         help="Continue an interrupted demo in --out (same settings): skip its finished phases.",
     ),
+    demo_seeds: int = typer.Option(
+        0,
+        "--demo-seeds",
+        help="N whole demos (demo.seed, +1, ...) in --out/seed<S>; the spread in report.md.",
+    ),
+    quick: bool = typer.Option(
+        False,
+        "--quick",
+        help="The ~3-minute preset (src/tirl/configs/demo/quick.yaml): less data, fewer steps.",
+    ),
     progress: bool = typer.Option(True, "--progress/--quiet"),
     verbose: bool = VERBOSE,
 ) -> None:
@@ -570,18 +590,30 @@ def demo(
     agent, drills, sft, train, eval), e.g. demo.rl_steps=5 or train.stages.0.steps=5.
     """
     from tirl.config import ConfigError
-    from tirl.demo import DemoError, run_demo
+    from tirl.demo import DemoError, DemoShortfall, quick_overrides, run_demo, run_demo_seeds
 
     quiet_libraries(verbose)
     try:
-        run_demo(out, compare=compare, overrides=ctx.args, progress=progress, seeds=seeds, resume=resume)
-    except (ConfigError, DemoError) as e:
+        overrides = [*(quick_overrides() if quick else []), *ctx.args]
+        if demo_seeds and (compare or seeds != 1):
+            raise ConfigError(
+                "--demo-seeds runs whole demos, one RL run each: give it without --compare/--seeds"
+            )
+        if demo_seeds:
+            run_demo_seeds(out, demo_seeds, overrides, progress=progress, resume=resume)
+        else:
+            run_demo(out, compare=compare, overrides=overrides, progress=progress, seeds=seeds, resume=resume)
+    except (ConfigError, DemoError, DemoShortfall) as e:
         _fail(e)
     except KeyboardInterrupt:
         import shlex
 
         options = ["--out", out, *(["--compare", compare] if compare else []), "--seeds", str(seeds)]
-        again = shlex.join(["tirl", "demo", *options, *ctx.args, "--resume"])
+        options += [
+            *(["--quick"] if quick else []),
+            *(["--demo-seeds", str(demo_seeds)] if demo_seeds else []),
+        ]
+        again = shlex.join([*tirl_command(), "demo", *options, *ctx.args, "--resume"])
         typer.echo(f"interrupted; partial outputs are in {out}; continue with: {again}", err=True)
         raise typer.Exit(130) from None
 

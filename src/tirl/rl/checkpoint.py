@@ -262,6 +262,11 @@ def resolve_model_path(path: str) -> str:
         return str(
             merged_model_dir(found.checkpoint) if found.checkpoint else merged_adapter_dir(found.adapter)
         )
+    if p.is_file():  # not a hub id either: transformers would read it as a config.json
+        raise FileNotFoundError(
+            f"model {path}: a file, not a directory; give a model directory (`tirl model init --out DIR` "
+            "makes a tiny one), a tirl run or checkpoint directory, or a Hugging Face id (org/name)"
+        )
     parts = Path(path).parts
     if path.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
         raise FileNotFoundError(
