@@ -130,6 +130,14 @@ def test_trajectory_ids_are_issued_and_unguessable(served):
         resp = httpx.post(f"{endpoint.url}/t/{guess}/finish", headers={"Content-Type": "application/json"})
         assert resp.status_code == 404
     assert engine.calls == 0
+    by_header = f"{endpoint.url}/v1/chat/completions"
+    resp = httpx.post(by_header, json={"messages": MESSAGES}, headers={"X-Trajectory-Id": "traj-7"})
+    assert resp.status_code == 404 and engine.calls == 0
+    issued = endpoint.trajectory_id("by-header")
+    assert (
+        httpx.post(by_header, json={"messages": MESSAGES}, headers={"X-Trajectory-Id": issued}).status_code
+        == 200
+    )
     a, b = endpoint.trajectory_id(), endpoint.trajectory_id()
     assert a != b and len(a) >= 22
     named = endpoint.base_url("s0-p1-0")
