@@ -19,7 +19,7 @@ from tirl.eval import (
     pass_at_k,
 )
 from tirl.eval.metrics import BenchmarkMetrics, pass_k_values
-from tirl.reward import equivalent
+from tirl.reward import RewardStats, equivalent
 
 
 @pytest.mark.parametrize(("n", "c"), [(4, 0), (4, 1), (5, 2), (6, 6), (8, 3)])
@@ -117,6 +117,16 @@ def test_report_files(tmp_path):
     ]
     assert lines[0]["majority"] and not lines[1]["majority"]
     assert EvalReport.read(out) == report  # what a resumed demo reports from
+
+
+def test_the_report_rounds_the_reward_pools_seconds(tmp_path):
+    results, trajs = _bench()
+    bench = BenchmarkResult(benchmark_metrics("toy", results, trajs), results, trajs)
+    stats = RewardStats(responses=4, verified=3, verify_s=3.058321530999592).as_dict()
+    out = EvalReport({"toy": bench}, reward_stats=stats).write(tmp_path / "run")
+    assert "responses 4, no_answer 0, fast 0, verified 3, " in (out / "report.md").read_text()
+    assert "verify_s 3.06." in (out / "report.md").read_text()
+    assert json.loads((out / "metrics.json").read_text())["reward_stats"]["verify_s"] == 3.058321530999592
 
 
 def test_eval_config_drives_agent_config():

@@ -81,7 +81,7 @@ class EvalReport:
             scalars = {key: value for key, value in self.config.items() if not isinstance(value, dict)}
             lines += ["", "## Setup", ""] + [f"- {key}: `{value}`" for key, value in scalars.items()]
         if self.reward_stats:
-            stats = ", ".join(f"{key} {value}" for key, value in self.reward_stats.items())
+            stats = ", ".join(f"{key} {_number(value)}" for key, value in self.reward_stats.items())
             lines += ["", f"Reward verification: {stats}."]
         lines += ["", f"Wall time: {self.seconds:.1f} s.", ""]
         return "\n".join(lines)
@@ -120,6 +120,12 @@ class EvalReport:
             problems, groups = _problem_groups([r for r in records if r["benchmark"] == name])
             benchmarks[name] = BenchmarkResult(metrics, problems, groups)
         return cls(benchmarks, saved["config"], saved["reward_stats"], saved["seconds"])
+
+
+def _number(x: object) -> str:
+    """A count as it is, a float (seconds) to 2 decimals: report.md is read by people (metrics.json
+    keeps every digit)."""
+    return f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
 def _pct(x: float | None) -> str:
