@@ -41,7 +41,7 @@ def test_a_foreign_origin_is_refused_and_our_own_is_not():
     policy = GuardPolicy.for_server()
     base = {"host": "127.0.0.1:8000", **JSON}
     assert check(policy, "POST", "/x", {**base, "origin": "http://127.0.0.1:8000"}) is None
-    for origin in ("http://attacker.example", "null", "http://rebind.test:8000"):
+    for origin in ("http://attacker.example", "null", "http://rebind.test:8000", "http://[::1", ""):
         refusal = check(policy, "POST", "/x", {**base, "origin": origin})
         assert refusal is not None and refusal.status == 403, origin
 

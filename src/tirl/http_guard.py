@@ -92,7 +92,7 @@ def check(policy: GuardPolicy, method: str, path: str, headers: Mapping[str, str
                 "are accepted (configure a token, or add the name to the allowed hosts)",
             )
         origin = headers.get("origin")
-        if origin is not None and host_name(urlsplit(origin).netloc) not in policy.allowed_hosts:
+        if origin is not None and _origin_host(origin) not in policy.allowed_hosts:
             return Refusal(403, f"requests from the web page origin {origin!r} are refused")
     elif path not in policy.public_paths:
         given = headers.get("authorization", "").encode("latin-1", "replace")
@@ -109,6 +109,14 @@ def check(policy: GuardPolicy, method: str, path: str, headers: Mapping[str, str
     if declared.isdigit() and int(declared) > policy.max_body_bytes:
         return body_too_large(policy)
     return None
+
+
+def _origin_host(origin: str) -> str:
+    """The host name of an Origin header ("" for "null" or one that is not a URL)."""
+    try:
+        return host_name(urlsplit(origin).netloc)
+    except ValueError:
+        return ""
 
 
 def body_too_large(policy: GuardPolicy) -> Refusal:
