@@ -81,3 +81,90 @@ def test_agent_settings_that_change_a_trained_models_prompt_are_warned_about(
     warning = next(line for line in result.output.splitlines() if line.startswith("warning:"))
     assert "differ from the ones the model was trained with" in warning and "system_prompt:" in warning
     assert "docs/commands.md" in warning
+
+
+# ---- the memory plan before a run on GPUs (tirl.rl.plan: its CUDA-only branch) ----
+
+
+@pytest.fixture
+def a_gpu(monkeypatch):
+    """What CUDA reports on a machine with 24 GiB GPUs, on this CPU-only one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tirl.rl.plan import GiB
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=24 * GiB))
+    return 24 * GiB
+
+
+def _train_config(config: Path, *overrides: str):
+    from tirl.config import load_config
+    from tirl.rl.config import TrainConfig
+
+    return load_config(TrainConfig, config, list(overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides,world_size,expected",
+    [
+        ((), "1", (1, True, True)),  # one process: engine and trainer on cuda:0
+        ((), "8", (8, True, True)),  # torchrun --nproc_per_node=8, backend local: colocated
+        (("cluster.backend=ray", "cluster.trainer.ranks=64"), "1", (64, False, False)),  # Ray, separate
+        (
+            ("cluster.backend=ray", "cluster.trainer.ranks=2", "engine.num_engines=2", "cluster.colocate=true"),
+            "1",
+            (2, True, True),
+        ),
+        (
+            (
+                "cluster.backend=ray", "cluster.trainer.ranks=4", "algorithm.async=true",
+                "engine.enable_sleep_mode=false", "algorithm.tis_cap=null",
+            ),
+            "1",
+            (4, False, False),
+        ),  # async: engines never sleep, the trainer never offloads
+    ],
+)  # fmt: skip
+def test_the_preflight_plans_the_cluster_it_is_about_to_train_on(
+    config, a_gpu, monkeypatch, overrides, world_size, expected
+):
+    """torchrun's WORLD_SIZE or Ray's trainer ranks, the GPU's size as CUDA reports it, colocated as the
+    config says, and the trainer offloaded when colocated and synchronous; the `tirl plan` command line
+    carries each of them."""
+    from tirl.rl.plan import GiB, preflight_cluster, preflight_command
+
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    cfg = _train_config(config, *overrides)
+    cluster = preflight_cluster(cfg)
+    assert (cluster.gpus, cluster.colocated, cluster.trainer_offload) == expected
+    assert cluster.gpu_memory == a_gpu
+    cmd = preflight_command(cfg, cluster, str(config), ["engine.max_model_len=512"], "train")
+    shown = " ".join(cmd)
+    assert f"--gpus {expected[0]} --gpu-memory {24 * GiB / GiB:.3f}" in shown
+    assert ("--colocate" in cmd) == expected[1] and ("--trainer-offload" in cmd) == expected[2]
+    assert cmd[-1] == "engine.max_model_len=512"
+
+
+def test_a_run_that_does_not_fit_its_gpus_stops_before_anything_starts(config, trainer_calls, monkeypatch):
+    """On a (reported) 1 GiB GPU the plan, run for real in its subprocess, does not fit: `tirl train`
+    stops with one error line holding the plan's verdict, before the trainer is called;
+    TIRL_SKIP_PLAN=1 lets it start."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tirl.rl.plan import GiB
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=GiB))
+    small = ["optim.micro_batch_tokens=1024", "optim.device=cpu"]
+    result = CliRunner().invoke(app, ["train", "--config", str(config), *small])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: memory plan: DOES NOT FIT: training needs ")
+    assert "TIRL_SKIP_PLAN=1" in result.output and not trainer_calls
+    monkeypatch.setenv("TIRL_SKIP_PLAN", "1")
+    result = CliRunner().invoke(app, ["train", "--config", str(config), *small])
+    assert result.exit_code == 0 and len(trainer_calls) == 1, result.output

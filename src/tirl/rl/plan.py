@@ -863,19 +863,21 @@ def _plan_with(config, plan: Plan, workload: Workload) -> Plan:
 
 def _most_sequences(config, full: Plan, one: Plan) -> Plan:
     """The largest micro-batch below `full`'s that fits, given `one` (one sequence) fits: the peak grows
-    linearly with the sequences, so the two measurements predict it; measured, then stepped down."""
+    about linearly with the sequences, so two measurements predict it; each guess is measured, and one
+    that does not fit gives the next, smaller guess its slope."""
     b, n = full.workload.micro_batch
-    if b <= 1:
-        return one
     fixed = one.training_total - one.training.peak * (1 + one.slack)
     limit = (full.cluster.gpu_memory - fixed) / (1 + one.slack)
-    per_sequence = max(1.0, (full.training.peak - one.training.peak) / (b - 1))
-    guess = min(b - 1, 1 + int((limit - one.training.peak) // per_sequence))
+    above, guess = full, b - 1
     while guess > 1:
+        per_sequence = (above.training.peak - one.training.peak) / (above.workload.micro_batch[0] - 1)
+        guess = min(guess, 1 + int((limit - one.training.peak) // max(1.0, per_sequence)))
+        if guess <= 1:
+            break
         candidate = _plan_with(config, one, replace(one.workload, micro_batch=(guess, n)))
         if _training_fits(candidate):
             return candidate
-        guess -= 1
+        above, guess = candidate, guess - 1
     return one
 
 
