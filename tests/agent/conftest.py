@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from tests.agent.scripted import Script, call, record, teach, tool_call
+from tests.agent.scripted import COMPACT_SCHEMA, Script, call, record, teach, tool_call
 from tests.conftest import cached_dir
 from transformers import AutoModelForCausalLM
 
@@ -18,17 +18,6 @@ from tirl.engines import EngineConfig, SingleEnginePool
 from tirl.engines.hf import HFEngine
 
 # Short prompt and schema keep the memorized conversations short (teaching cost grows with length).
-COMPACT_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "execute_python_code_with_standard_io",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string"}, "input": {"type": "string"}},
-            "required": ["code"],
-        },
-    },
-}
 CFG = AgentConfig(
     system_prompt="Use the tool.",
     user_prompt="{problem}",

@@ -17,6 +17,20 @@ from tirl.agent.protocol import ToolCall, encode, tool_schemas, truncate_middle
 from tirl.agent.tools import ToolContext, close_tools, toolbox
 from tirl.data.problem import Problem
 
+# The Python tool's schema without descriptions: the taught model memorizes conversations whose prompt
+# holds it, and teaching cost grows with their length.
+COMPACT_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "execute_python_code_with_standard_io",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string"}, "input": {"type": "string"}},
+            "required": ["code"],
+        },
+    },
+}
+
 
 @dataclass
 class Script:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.agent.scripted import Script, call, record, teach
+from tests.agent.scripted import COMPACT_SCHEMA, Script, call, record, teach
 from tests.view.browser import chromium, unavailable
 from typer.testing import CliRunner
 
@@ -21,17 +21,7 @@ from tirl.data.problem import Problem
 AGENT = {
     "system_prompt": "Use the tool.",
     "user_prompt": "{problem}",
-    "tool_schema": {
-        "type": "function",
-        "function": {
-            "name": "execute_python_code_with_standard_io",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string"}, "input": {"type": "string"}},
-                "required": ["code"],
-            },
-        },
-    },
+    "tool_schema": COMPACT_SCHEMA,
     "use_chat_template": False,
     "show_exec_time": False,
     "tool_timeout": 5.0,
