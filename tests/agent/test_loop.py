@@ -8,9 +8,9 @@ import logging
 import time
 
 import pytest
-import torch
 from tests.agent.conftest import ANSWER, CFG, HANG_S, SCRIPTS, SLOW_S
 from tests.agent.scripted import call
+from tests.logprobs import reference_logprobs
 
 from tirl.agent import build_prompt_ids, derive_seed, render_tool_response, rollout, run_trajectory
 from tirl.agent.loop import call_source
@@ -219,13 +219,6 @@ async def test_rollout_runs_the_tools_on_its_executor(pool, tokenizer, sandbox, 
     assert traj.finish_reason == "answered" and [c.status for c in traj.tool_calls] == ["malformed", "ok"]
 
 
-def _forward_logprobs(model, ids: list[int]) -> list[float]:
-    """log p(ids[k + 1] | ids[: k + 1]) for every k, from one direct forward pass."""
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-    return [logp[k, ids[k + 1]].item() for k in range(len(ids) - 1)]
-
-
 TURN_END = "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>"
 
 
@@ -257,7 +250,7 @@ async def test_recorded_logprobs_are_the_generated_tokens_own(pool, tokenizer, s
     model, _ = taught
     traj, _ = await play(pool, tokenizer, sandbox, "fix")
     assert traj.turns == 3 and 0 in traj.loss_mask
-    forward = _forward_logprobs(model, traj.prompt_ids + traj.response_ids)[len(traj.prompt_ids) - 1 :]
+    forward = reference_logprobs(model, traj.prompt_ids, traj.response_ids).tolist()
     for j, (lp, m) in enumerate(zip(traj.logprobs, traj.loss_mask, strict=True)):
         assert lp == (pytest.approx(forward[j], abs=1e-4) if m else 0.0), j
     # a shift by one token would pair each log-prob with its neighbour's: those differ
@@ -283,7 +276,7 @@ async def test_training_samples_align_ids_mask_logprobs_and_advantages(pool, tok
         p = len(t.prompt_ids)
         generated = {p + j for j, m in enumerate(t.loss_mask) if m}
         assert [k + 1 for k, m in enumerate(s.loss_mask) if m] == sorted(generated)
-        forward = _forward_logprobs(model, s.input_ids)
+        forward = reference_logprobs(model, s.input_ids[:1], s.input_ids[1:]).tolist()  # token k + 1's
         for k, m in enumerate(s.loss_mask):
             if m:
                 assert s.engine_logprobs[k] == pytest.approx(forward[k], abs=1e-4), k
