@@ -16,7 +16,6 @@ service, real math-verify, torchrun with 2 FSDP processes.
 from __future__ import annotations
 
 import ast
-import json
 import re
 import shlex
 import subprocess
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from tests.jsonl import write_jsonl
 from tests.ports import free_port
 from tests.terminal import tirl_argv, tirl_env
 
@@ -239,7 +239,7 @@ def small(argv: list[str], rule: Rule, port: int) -> list[str]:
 
 
 def write_problems(path: Path, rows) -> None:
-    path.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n" for i, q, a in rows))
+    write_jsonl(path, ({"id": i, "problem": q, "answer": a} for i, q, a in rows))
 
 
 @pytest.fixture(scope="module")

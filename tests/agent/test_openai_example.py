@@ -4,11 +4,11 @@ tirl run (two tiny steps); its training problems are the --problems file or the 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
+from tests.jsonl import write_jsonl
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_agent"
 
@@ -24,8 +24,7 @@ def import_train(monkeypatch):
 
 def write_problems(path: Path, n: int) -> Path:
     rows = [{"id": f"q{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(n)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_jsonl(path, rows)
 
 
 def test_the_training_problems_are_the_file_given_or_the_demos_rl_split(tmp_path, monkeypatch):

@@ -1,17 +1,11 @@
 """Loading problems from files and the benchmark registry, with clear errors."""
 
-import json
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tests.jsonl import write_jsonl
 
 from tirl.data import BENCHMARKS, DataError, load_problems, write_problems
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_jsonl_field_mapping(tmp_path):

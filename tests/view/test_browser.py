@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.jsonl import read_jsonl
 from tests.view.browser import Page
 from typer.testing import CliRunner
 
@@ -36,12 +37,8 @@ def _view(path: Path) -> Path:
     return page
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_eval_page_lists_filters_and_opens_trajectories(browser, eval_dir):
-    records = _records(eval_dir / "trajectories.jsonl")
+    records = read_jsonl(eval_dir / "trajectories.jsonl")
     page = Page(browser, _view(eval_dir).as_uri())
     assert page.shown() == len(records) == len(page.row_ids())
     assert "avg@2 pass@1" in page.page.inner_text("#summary")
@@ -79,7 +76,7 @@ def test_eval_page_lists_filters_and_opens_trajectories(browser, eval_dir):
 
 
 def test_training_page_curves_jump_to_a_step(browser, train_dir):
-    records = _records(train_dir / "trajectories.jsonl")
+    records = read_jsonl(train_dir / "trajectories.jsonl")
     page = Page(browser, _view(train_dir).as_uri())
     assert page.shown() == len(records)
     assert page.page.locator("#curves .chart").count() == 3
@@ -197,7 +194,7 @@ def test_serve_serves_the_page_on_localhost(browser, eval_dir, tmp_path):
         assert line.startswith("serving http://127.0.0.1:"), line
         url = line.split()[1]
         page = Page(browser, url)
-        assert page.shown() == len(_records(eval_dir / "trajectories.jsonl"))
+        assert page.shown() == len(read_jsonl(eval_dir / "trajectories.jsonl"))
         assert page.errors == []
         page.close()
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.jsonl import write_jsonl
 from tests.view.browser import Page
 from typer.testing import CliRunner
 
@@ -60,10 +61,6 @@ def _hostile_record(i: int) -> dict:
     }
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def _view(path: Path) -> Path:
     result = CliRunner().invoke(app, ["view", str(path)])
     assert result.exit_code == 0, result.output
@@ -87,8 +84,8 @@ def _open_every_row(page: Page, n: int) -> None:
 def test_a_training_run_with_markup_in_every_field_runs_no_script(browser, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    _write_jsonl(run / "trajectories.jsonl", [_hostile_record(i) for i in range(2)])
-    _write_jsonl(run / "metrics.jsonl", [{"step": PWN, "reward/mean": 0.5}, {"step": 1, "reward/mean": 0.7}])
+    write_jsonl(run / "trajectories.jsonl", [_hostile_record(i) for i in range(2)])
+    write_jsonl(run / "metrics.jsonl", [{"step": PWN, "reward/mean": 0.5}, {"step": 1, "reward/mean": 0.7}])
     (run / "config.yaml").write_text(yaml.safe_dump({"agent": {"max_calls_per_turn": 4}}))
     page = Page(browser, _view(run).as_uri())
     assert page.shown() == 2
@@ -100,7 +97,7 @@ def test_a_training_run_with_markup_in_every_field_runs_no_script(browser, tmp_p
 def test_an_eval_summary_with_markup_runs_no_script(browser, tmp_path):
     out = tmp_path / "eval"
     out.mkdir()
-    _write_jsonl(out / "trajectories.jsonl", [_hostile_record(1)])
+    write_jsonl(out / "trajectories.jsonl", [_hostile_record(1)])
     summary = {PWN: {"samples": PWN, "pass1": PWN, "maj": 0.5, "tool_error_rate": PWN}}
     (out / "metrics.json").write_text(json.dumps({"benchmarks": summary, "config": {"agent": {}}}))
     page = Page(browser, _view(out).as_uri())
@@ -143,7 +140,7 @@ def test_lone_surrogates_and_hostile_names_render(browser, tmp_path):
 
 def test_a_record_of_the_wrong_shape_is_one_line_not_a_traceback(tmp_path):
     path = tmp_path / "t.jsonl"
-    _write_jsonl(path, [{**_hostile_record(1), "response_text": 7}])
+    write_jsonl(path, [{**_hostile_record(1), "response_text": 7}])
     result = CliRunner().invoke(app, ["view", str(path)])
     assert result.exit_code == 2 and result.exception is not None and isinstance(result.exception, SystemExit)
     assert result.output.startswith("error: trajectory #1 is not a tirl trajectory record")

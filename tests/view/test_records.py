@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import yaml
+from tests.jsonl import read_jsonl, write_jsonl
 from typer.testing import CliRunner
 
 from tirl.agent import AgentConfig
@@ -25,17 +26,13 @@ from tirl.view.report import build_html
 pytestmark = pytest.mark.timeout(900)
 
 
-def _lines(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_turn_token_counts_follow_the_loss_mask_runs():
     assert turn_token_counts([1, 1, 0, 0, 0, 1, 1, 1, 0, 1]) == [(2, 3), (3, 1), (1, 0)]
     assert turn_token_counts([]) == []
 
 
 def test_eval_records_split_into_turns_with_their_calls(eval_dir):
-    raws = _lines(eval_dir / "trajectories.jsonl")
+    raws = read_jsonl(eval_dir / "trajectories.jsonl")
     source = load_source(eval_dir)
     assert source.kind == "eval" and len(source.records) == len(raws) == 6
     views = [view_record(raw, i, source.agent) for i, raw in enumerate(raws)]
@@ -68,7 +65,7 @@ def test_eval_records_split_into_turns_with_their_calls(eval_dir):
 
 
 def test_training_run_writes_a_bounded_sample_with_roc(train_dir):
-    rows = _lines(train_dir / "trajectories.jsonl")
+    rows = read_jsonl(train_dir / "trajectories.jsonl")
     steps = Counter(r["step"] for r in rows)
     assert steps == {1: 4, 2: 4, 3: 4}  # 2 prompts x 2G = 8 rollouts per step, 4 written
     for r in rows:
@@ -86,7 +83,7 @@ def test_training_run_writes_a_bounded_sample_with_roc(train_dir):
             assert [m["roc"]["advantage"] for m in kept] == pytest.approx(
                 group_advantages([m["reward"] for m in kept])
             )
-    metrics = _lines(train_dir / "metrics.jsonl")
+    metrics = read_jsonl(train_dir / "metrics.jsonl")
     page = build_html(load_source(train_dir))
     assert page.count('"step":') >= len(rows) + len(metrics)
 
@@ -292,22 +289,18 @@ def test_a_record_that_is_not_a_trajectory_is_a_view_error():
     assert str(err.value).startswith("trajectory #3 is not a tirl trajectory record: ")
 
 
-def _write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def test_load_source_reads_each_kind_of_path(tmp_path):
     row = traj("x", []).to_dict()
     bare = tmp_path / "some.jsonl"
-    _write(bare, [row, row])
+    write_jsonl(bare, [row, row])
     assert load_source(str(bare)) == Source("trajectories", bare, [row, row])
 
     run = tmp_path / "run"
     run.mkdir()
-    _write(run / "metrics.jsonl", [{"step": 1}, {"step": 2}])
+    write_jsonl(run / "metrics.jsonl", [{"step": 1}, {"step": 2}])
     assert load_source(run) == Source("train", run, [], curves=[{"step": 1}, {"step": 2}], agent={})
     (run / "config.yaml").write_text(yaml.safe_dump({"agent": {"max_turns": 3}}))
-    _write(run / "trajectories.jsonl", [row])
+    write_jsonl(run / "trajectories.jsonl", [row])
     src = load_source(run)
     assert (src.kind, src.records, src.agent) == ("train", [row], {"max_turns": 3})
     (run / "config.yaml").write_text("")
@@ -315,7 +308,7 @@ def test_load_source_reads_each_kind_of_path(tmp_path):
 
     ev = tmp_path / "eval"
     ev.mkdir()
-    _write(ev / "trajectories.jsonl", [row])
+    write_jsonl(ev / "trajectories.jsonl", [row])
     assert load_source(ev) == Source("eval", ev, [row])
     metrics = {"benchmarks": {"aime": {"pass1": 0.5}}, "config": {"agent": {"max_turns": 2}}}
     (ev / "metrics.json").write_text(json.dumps(metrics))
