@@ -429,21 +429,10 @@ class ChatRecorder:
     async def _add_messages(self, rec: Recording, messages: list[dict]) -> int:
         """`_extend` on a worker thread (rendering and tokenizing a long history takes a while), on a
         copy of the recording, applied here on the loop; the number of tokens added."""
-        work = Recording(rec.trajectory_id, rec.group, [], list(rec.ids), list(rec.messages), rec.tools)
-        work.loss_mask, work.logprobs, work.versions = (
-            list(rec.loss_mask),
-            list(rec.logprobs),
-            list(rec.versions),
-        )
-        work.closing, work.drift = rec.closing, list(rec.drift)
+        work = Recording(rec.trajectory_id, rec.group, [], [], [], rec.tools)
+        work.restore(rec.snapshot())  # copies: the thread never touches the live recording
         added = await asyncio.to_thread(self._extend, work, messages)
-        rec.ids, rec.loss_mask, rec.logprobs, rec.versions = (
-            work.ids,
-            work.loss_mask,
-            work.logprobs,
-            work.versions,
-        )
-        rec.messages, rec.closing = work.messages, work.closing
+        rec.restore(work.snapshot())
         return added
 
     def _extend(self, rec: Recording, messages: list[dict]) -> int:
