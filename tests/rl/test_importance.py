@@ -1,6 +1,7 @@
 """Truncated importance sampling against the engine's sampling log-probs, pinned by hand computation:
 the weight min(exp(old - engine), cap) per trained token, its place in the loss (a detached factor on
-the per-token surrogate), its diagnostics, and the config checks that keep the ratio meaningful."""
+the per-token surrogate), its diagnostics, and the config checks that keep the ratio meaningful; then
+the weights' edges (see docs/mutation.md)."""
 
 from __future__ import annotations
 

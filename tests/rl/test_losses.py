@@ -1,5 +1,6 @@
 """The objective registries pinned by hand-computed values: Dr.GRPO, GSPO, dual clip, aggregations,
-diagnostics, KL/entropy terms, and config names derived from the registries."""
+diagnostics, KL/entropy terms, and config names derived from the registries; then the objective's
+edges: exact clip and flag boundaries, numeric guards, defaults, resolvers' errors (docs/mutation.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The chunked loss head equals the full-logits computation (values and gradients) and never builds
-full-vocabulary logits for the whole micro-batch."""
+full-vocabulary logits for the whole micro-batch; then the head pinned for every chunk size, dtype
+and frozen input (see docs/mutation.md)."""
 
 from __future__ import annotations
 
