@@ -103,3 +103,29 @@ def test_serving_on_a_port_in_use_is_one_error_line(tmp_path):
         done.stderr.strip()
         == f"error: --host 127.0.0.1 --port {port}: the port is in use: choose another --port (0 picks a free one)"
     )
+
+
+def test_an_empty_curve_is_not_called_unlogged_and_the_headers_do_not_run_together(browser, tmp_path):
+    """A metric logged as null at every step (no correct trajectory yet) reads 'empty', one absent from
+    metrics.jsonl 'not logged'; every column header fits its column (answer and ref once ran together)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [json.loads(line) for line in _write(tmp_path).with_suffix(".jsonl").read_text().splitlines()]
+    (run / "trajectories.jsonl").write_text("".join(json.dumps({**r, "step": 1}) + "\n" for r in rows))
+    metrics = [{"step": s, "reward/mean": 0.1 * s, "tools/error_ratio_in_correct": None} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    result = CliRunner().invoke(app, ["view", str(run)])
+    assert result.exit_code == 0, result.output
+    page = Page(browser, (run / "view.html").as_uri())
+    hints = page.page.eval_on_selector_all(
+        "#curves .chart",
+        "cs => cs.map(c => [c.querySelector('h3').innerText, c.querySelector('.hint')?.innerText])",
+    )
+    assert [h for _, h in hints] == [None, "empty at every step so far", "not logged"], hints
+    cut = page.page.eval_on_selector_all(
+        "#thead > div",
+        "hs => hs.filter(h => h.scrollWidth > h.clientWidth).map(h => [h.innerText, h.scrollWidth, h.clientWidth])",
+    )
+    assert cut == [], f"headers wider than their columns: {cut}"
+    assert page.errors == []
+    page.close()

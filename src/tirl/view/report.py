@@ -32,7 +32,12 @@ def page_data(source: Source) -> dict:
         "curves": [
             {
                 "step": row["step"],
-                **{short: row[key] for key, short in CURVES.items() if _number(row.get(key))},
+                # null: logged but empty at that step (e.g. no correct trajectory), not "not logged"
+                **{
+                    short: row[key] if _number(row[key]) else None
+                    for key, short in CURVES.items()
+                    if key in row
+                },
             }
             for row in source.curves
             if _number(row.get("step"))

@@ -84,12 +84,12 @@ const COLUMNS = [
     cell: (t) => `<span title="${esc(t.pid)} #${esc(t.sample)}">${esc(t.problem || t.pid)}</span>` },
   { key: "reward", label: "reward", width: "56px", num: true,
     cell: (t) => (correct(t) ? `<span class="good">✓ ${fmt(t.reward, 1)}</span>` : `<span class="bad">✗ ${fmt(t.reward, 1)}</span>`) },
-  { key: "answer", label: "answer", width: "minmax(50px, .7fr)", cell: (t) => `<span class="mono">${esc(t.answer ?? "–")}</span>` },
+  { key: "answer", label: "answer", width: "minmax(64px, .7fr)", cell: (t) => `<span class="mono">${esc(t.answer ?? "–")}</span>` },
   { key: "reference", label: "ref", width: "minmax(40px, .5fr)", cell: (t) => `<span class="mono">${esc(t.reference ?? "")}</span>` },
   { key: "finish", label: "finish", width: "72px", cell: (t) => esc(t.finish) },
   { key: "nturns", label: "turns", width: "44px", num: true, cell: (t) => esc(t.turns.length) },
   { key: "ncalls", label: "calls", width: "44px", num: true, cell: (t) => esc(t.ncalls) },
-  { key: "nerr", label: "errors", width: "48px", num: true, cell: (t) => (t.nerr ? `<span class="bad">${esc(t.nerr)}</span>` : "0") },
+  { key: "nerr", label: "errors", width: "52px", num: true, cell: (t) => (t.nerr ? `<span class="bad">${esc(t.nerr)}</span>` : "0") },
   { key: "len", label: "tokens", width: "56px", num: true, cell: (t) => esc(t.len) },
   { key: "kept", label: "RoC", width: "62px", train: true,
     cell: (t) => (t.roc ? (t.roc.kept ? '<span class="good">kept</span>' : '<span class="muted">dropped</span>') : "") },
@@ -330,7 +330,8 @@ function renderCurves() {
   const W = 320, H = 110, L = 34, R = 6, T = 6, B = 16;
   box.innerHTML = CURVES.map(([key, title]) => {
     const pts = rows.filter((r) => typeof r[key] === "number");
-    if (!pts.length) return `<div class="chart"><h3>${title}</h3><p class="hint">not logged</p></div>`;
+    const empty = rows.some((r) => key in r) ? "empty at every step so far" : "not logged";
+    if (!pts.length) return `<div class="chart"><h3>${title}</h3><p class="hint">${empty}</p></div>`;
     const xs = pts.map((r) => r.step), ys = pts.map((r) => r[key]);
     const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(0, ...ys), y1 = Math.max(...ys) || 1;
     const X = (x) => L + (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0)) * (W - L - R);
