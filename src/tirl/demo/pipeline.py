@@ -22,13 +22,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tirl.agent.config import AgentConfig
 from tirl.agent.trajectory import tool_error_ratio
 from tirl.config import ConfigError, apply_overrides, read_yaml, validate
+from tirl.demo.checks import Checks, DemoShortfall, drills_shortfall, rl_shortfall, sft_shortfall
 from tirl.demo.sft_traces import TraceMix
 from tirl.eval.config import EvalConfig
 from tirl.rl.config import SFTConfig, TrainConfig
@@ -54,8 +55,20 @@ class DemoConfig(BaseModel):
     heldout_problems: int = Field(96, ge=1, description="held-out problems, evaluated before and after RL")
     rl_steps: int = Field(30, ge=1, description="GRPO-RoC steps")
     drill_steps: int = Field(
-        300, ge=0, description="SFT steps on copy drills before the traces (drills.yaml)"
+        300, ge=0, description="the cap of copy-drill steps before the traces (drills.yaml; 0: none)"
     )
+    drill_check_every: int = Field(25, ge=1, description="drill steps between held-out copy checks")
+    drill_target: float = Field(
+        0.95, gt=0, le=1, description="held-out drills copied exactly that end the drills"
+    )
+    drill_heldout: int = Field(128, ge=1, description="held-out copy drills the check measures")
+    checks: Literal["stop", "warn"] = Field(
+        "stop", description="a phase short of its check stops the demo, or warns in report.md"
+    )
+    min_sft_tool_use: float = Field(
+        50.0, ge=0, le=100, description="% of held-out trajectories the SFT model must call the tool in"
+    )
+    min_sft_accuracy: float = Field(10.0, ge=0, le=100, description="% held-out the SFT model must solve")
     copy_drills: int = Field(0, ge=0, description="copy drills mixed into the trace SFT")
     traces: TraceMix = Field(TraceMix(), description="shares of the SFT trace kinds")
 
@@ -123,6 +136,15 @@ def load_settings(config_dir: str | Path = CONFIG_DIR, overrides: list[str] | No
     return settings
 
 
+def quick_overrides(config_dir: str | Path = CONFIG_DIR) -> list[str]:
+    """`tirl demo --quick`: quick.yaml's overrides (the command line's, given after them, win)."""
+    raw = read_yaml(Path(config_dir) / "quick.yaml")
+    items = raw.get("overrides")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"{config_dir}/quick.yaml: `overrides` must be a list of section.key=value strings")
+    return items
+
+
 PHASES_FILE = "phases.json"  # each finished phase's result and wall time: what --resume skips
 SETTINGS_FILE = "settings.json"  # the settings the directory was written with: --resume must match them
 
@@ -146,6 +168,8 @@ class Phases:
         start = time.perf_counter()
         try:
             yield
+        except DemoShortfall:
+            raise  # its one line says it all
         except Exception as e:
             raise DemoError(
                 f"demo phase {name!r} ({what}) failed: {type(e).__name__}: {e}\n"
@@ -266,9 +290,12 @@ def run_demo(
     )
     drilled = phase.run(
         "drills",
-        f"SFT on copy drills: {settings.demo.drill_steps} steps (learn to copy numbers)",
-        partial(_drill, settings, init_model, out, progress, resume),
+        f"SFT on copy drills until {settings.demo.drill_target:.0%} of held-out drills are copied "
+        f"(at most {settings.demo.drill_steps} steps)",
+        partial(_drill, settings, init_model, out, console.print),
     )
+    checks = Checks(settings.demo.checks, console.print)
+    checks.expect(drills_shortfall(out / "drills"))
     drills = f" + {settings.demo.copy_drills} copy drills" if settings.demo.copy_drills else ""
     sft_model = phase.run(
         "sft",
@@ -282,6 +309,8 @@ def run_demo(
             partial(_evaluate_into, settings, sft_model, heldout, out / "eval_sft", progress),
         )
     }
+    sft_numbers = _eval_numbers(EvalReport.read(eval_dirs["sft"]))
+    checks.expect(sft_shortfall(sft_numbers, settings.demo.min_sft_tool_use, settings.demo.min_sft_accuracy))
     train_dirs, groups = {}, {name: [] for name in runs}
     rl_started, ran = time.perf_counter(), 0  # units trained by this call (a resumed demo skips some)
     for done, (k, name) in enumerate(units):
@@ -303,7 +332,8 @@ def run_demo(
     with phase("report", "write report.md, plots and summary.json"):
         phase.seconds["total"] = round(time.perf_counter() - started, 1)
         evals = {tag: EvalReport.read(d) for tag, d in eval_dirs.items()}
-        summary = _report(settings, out, evals, train_dirs, groups, phase.seconds)
+        checks.expect(rl_shortfall(sft_numbers["accuracy"], _mean_accuracy(evals, groups["rl"])), stops=False)
+        summary = _report(settings, out, evals, train_dirs, groups, phase.seconds, checks.warnings)
     console.print(
         f"[bold]held-out accuracy: SFT {summary['sft_accuracy']:.1f}% -> GRPO-RoC {summary['rl_accuracy']:.1f}%"
         + (f", plain GRPO {summary[f'{compare}_accuracy']:.1f}%" if compare else "")
@@ -368,16 +398,31 @@ def _count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
-def _drill(settings: DemoSettings, init_model: Path, out: Path, progress: bool, resume: bool) -> Path:
-    """Stage 0a: copy drills alone (skipped when demo.drill_steps is 0)."""
+def _drill(settings: DemoSettings, init_model: Path, out: Path, say: Callable[[str], object]) -> Path:
+    """Stage 0a: copy drills until the model copies (tirl.demo.drills; skipped when demo.drill_steps
+    is 0). Its outcome (drills/drill_outcome.json) is checked after the phase (tirl.demo.checks)."""
+    from tirl.demo.drills import StopRule
+    from tirl.rl.checkpoint import latest_model_dir
+
+    d = settings.demo
+    if d.drill_steps == 0:
+        return init_model
+    rule = StopRule(d.drill_steps, d.drill_check_every, d.drill_target, d.drill_heldout)
+    outcome = _run_drills(settings, init_model, out, rule, say)
+    say(outcome.message())
+    return latest_model_dir(out / "drills")
+
+
+def _run_drills(settings: DemoSettings, init_model: Path, out: Path, rule, say: Callable[[str], object]):
+    from tirl.demo.drills import run_drills
     from tirl.demo.sft_traces import copy_drills, write_traces
 
-    steps = settings.demo.drill_steps
-    if steps == 0:
-        return init_model
-    n = steps * int(settings.drills.get("batch_size", 32))
-    path = write_traces(copy_drills(n, settings.demo.seed + 1), out / "data" / "copy_drills.jsonl")
-    return _sft(settings.drills | {"epochs": 1}, settings, init_model, path, out, progress, resume)
+    n = rule.max_steps * int(settings.drills.get("batch_size", 32))
+    train = copy_drills(n, settings.demo.seed + 1)
+    heldout = copy_drills(rule.heldout, -1 - settings.demo.seed)  # another stream than any seed's
+    path = write_traces(train, out / "data" / "copy_drills.jsonl")
+    cfg = SFTConfig.model_validate(_sft_raw(settings, settings.drills, init_model, path, out))
+    return run_drills(cfg, train, heldout, rule, say)
 
 
 def _sft_raw(settings: DemoSettings, raw: dict, init_model: Path, data: Path, out: Path) -> dict:
@@ -518,6 +563,10 @@ def _eval_numbers(report) -> dict:
     }
 
 
+def _mean_accuracy(evals: dict, tags: list[str]) -> float:
+    return sum(_eval_numbers(evals[t])["accuracy"] for t in tags) / len(tags)
+
+
 def _training_numbers(metrics: list[dict], window: int = 5) -> dict:
     """Means over the first and last `window` steps of the quantities the plots show."""
 
@@ -540,7 +589,13 @@ def _training_numbers(metrics: list[dict], window: int = 5) -> dict:
 
 
 def _report(
-    settings: DemoSettings, out: Path, evals: dict, train_dirs: dict, groups: dict, seconds: dict
+    settings: DemoSettings,
+    out: Path,
+    evals: dict,
+    train_dirs: dict,
+    groups: dict,
+    seconds: dict,
+    warnings: list[str] | None = None,
 ) -> dict:
     """`evals` and `train_dirs` by run tag (rl, grpo, or rl_seed0, ...); `groups`: run name -> its tags."""
     from tirl.demo.plots import plot_accuracy, plot_comparison, plot_training
@@ -563,7 +618,11 @@ def _report(
         "eval_samples": settings.eval.get("samples"),
         "eval_temperature": settings.eval.get("temperature"),
         "wall_seconds": dict(seconds),
+        "warnings": list(warnings or []),
     }
+    drills = out / "drills"
+    if (drills / "drill_outcome.json").exists():
+        summary["drills"] = json.loads((drills / "drill_outcome.json").read_text())
     if len(groups) > 1 or any(len(tags) > 1 for tags in groups.values()):
         by_seed = {name: [training[t] for t in tags] for name, tags in groups.items()}
         summary["comparison"] = summarize(by_seed, accuracy)
@@ -649,6 +708,7 @@ def _markdown(settings: DemoSettings, summary: dict, evals: dict, plots: list[Pa
     lines = [
         "# tirl demo report",
         "",
+        *(f"**Warning: {w}.**\n" for w in summary.get("warnings", [])),
         f"A {settings.demo.preset!r} tiny Qwen3 model, SFT on programmatic tool-using traces, then "
         f"{settings.demo.rl_steps} RL steps against the real sandbox. Held-out: {summary['heldout_problems']} "
         f"synthetic problems x {summary['eval_samples']} samples at temperature {summary['eval_temperature']} "
