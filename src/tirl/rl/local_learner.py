@@ -12,7 +12,7 @@ from tirl.distributed.groups import DistInfo
 from tirl.distributed.weight_sync import FULL_SYNC, LORA_SYNC, Source, SyncKind, gathered
 from tirl.rl.lora import merged_tensors
 from tirl.rl.policy import Policy, TrainSample
-from tirl.rl.update import grpo_update
+from tirl.rl.update import Shard, grpo_update
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,7 +32,9 @@ class LocalLearner:
     def info(self) -> DistInfo:
         return self.policy.info
 
-    def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
+    def update(self, samples: list[TrainSample] | Shard, alg: AlgorithmConfig) -> dict[str, Any]:
+        """The whole step's batch (every torchrun rank takes its share), or this rank's `Shard` of it
+        (a Ray trainer worker: the driver split it)."""
         metrics = grpo_update(self.policy, samples, alg)
         self.policy.advance_schedule()
         return metrics | {"train/lr": self.policy.lr}

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tirl.distributed.groups import DistInfo
 from tirl.distributed.weight_sync import SyncChannel, SyncGroup, SyncKind, free_port, send_weights
+from tirl.rl.update import Shard, shard_update
 from tirl.runtime.base import Runtime
 from tirl.runtime.colocation import lends_devices
 from tirl.runtime.ray import RemoteEngine
@@ -99,7 +101,13 @@ class RayLearner:
         return ray.get([w.call.remote(method, *args) for w in self.workers])
 
     def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
-        return self._all("update", samples, alg)[0]  # the metrics are all-reduced: rank 0's say it all
+        """Each worker gets its own shard only (put in the object store once, fetched by that worker),
+        not the whole step's batch pickled once per worker."""
+        import ray
+
+        shards = [ray.put(s) for s in worker_shards(samples, alg, len(self.workers))]
+        calls = [w.call.remote("update", shard, alg) for w, shard in zip(self.workers, shards, strict=True)]
+        return ray.get(calls)[0]  # the metrics are all-reduced: rank 0's say it all
 
     def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
         import ray
@@ -175,6 +183,12 @@ class RayLearner:
         self._all("save", run_dir, step, tokenizer, state, keep_last)
 
 
+def worker_shards(samples: list[TrainSample], alg: AlgorithmConfig, world: int) -> list[Shard]:
+    """Rank r's share of the step's batch, for r in 0..world-1: what `grpo_update` on rank r would
+    take from the whole batch (tirl.rl.update.shard_update)."""
+    return [shard_update(samples, alg, DistInfo(r, world, torch.device("cpu"))) for r in range(world)]
+
+
 @asynccontextmanager
 async def open_ray_learner(
     cfg: TrainConfig, model_path: str, total_steps: int, placement: Placement
@@ -210,4 +224,4 @@ async def open_ray_learner(
             ray.kill(w)
 
 
-__all__ = ["RayLearner", "TrainerWorker", "open_ray_learner"]
+__all__ = ["RayLearner", "TrainerWorker", "open_ray_learner", "worker_shards"]

@@ -4,6 +4,8 @@ its diagnostics reduced over the ranks. Every learner (local, torchrun, Ray trai
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -19,6 +21,21 @@ def shard_samples(samples: list[TrainSample], info: DistInfo) -> list[TrainSampl
     return [samples[i] for i in order[info.rank :: info.world_size]]
 
 
+@dataclass(frozen=True)
+class Shard:
+    """One rank's share of a step's batch: its part of every mini-batch (`shard_samples`), and the
+    number of sequences in the whole batch (a metric). What a Ray trainer worker is sent."""
+
+    minis: list[list[TrainSample]]
+    sequences: int
+
+
+def shard_update(samples: list[TrainSample], alg: AlgorithmConfig, info: DistInfo) -> Shard:
+    """Rank `info.rank`'s share of the whole step's batch `samples`: the same split on every rank."""
+    n_mini = alg.mini_batches
+    return Shard([shard_samples(samples[m::n_mini], info) for m in range(n_mini)], len(samples))
+
+
 def engine_gap(sample: TrainSample) -> float:
     """Sum over trained tokens of |engine log-prob - trainer log-prob| (needs old_logprobs)."""
     if sample.engine_logprobs is None or sample.old_logprobs is None:
@@ -28,17 +45,18 @@ def engine_gap(sample: TrainSample) -> float:
     return float(((sample.old_logprobs - engine).abs() * mask).sum())
 
 
-def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig) -> dict:
+def grpo_update(policy: Policy, samples: list[TrainSample] | Shard, alg: AlgorithmConfig) -> dict:
     """Recompute old log-probs, then one optimizer update per mini-batch on the configured objective
     (tirl.rl.losses.Objective: policy loss, aggregation, KL, entropy), with its diagnostics.
 
-    `samples` is the whole step's batch (the same on every rank); each rank trains on its share of
-    every mini-batch, so the split into mini-batches does not depend on the number of ranks.
+    `samples` is the whole step's batch (the same on every rank), or this rank's `Shard` of it (split
+    where the batch is, as a Ray driver does); each rank trains on its share of every mini-batch, so
+    the split into mini-batches does not depend on the number of ranks.
     """
     info = policy.info
     objective = Objective.from_config(alg)
-    n_mini = alg.mini_batches
-    minis = [shard_samples(samples[m::n_mini], info) for m in range(n_mini)]
+    shard = samples if isinstance(samples, Shard) else shard_update(samples, alg, info)
+    minis, n_mini = shard.minis, len(shard.minis)
     mine = [s for part in minis for s in part]
     policy.compute_logprobs(mine, "old_logprobs")
     if objective.needs_reference:
@@ -72,7 +90,7 @@ def grpo_update(policy: Policy, samples: list[TrainSample], alg: AlgorithmConfig
         "train/loss": loss_sum / n_mini,
         "train/grad_norm": float(np.mean(grad_norms)),
         "train/trained_tokens": int(trained),
-        "train/sequences": len(samples),
+        "train/sequences": shard.sequences,
         # Mean |engine - trainer| log-prob of the sampled tokens: ~0 when weight sync works (numeric noise
         # only); a gap that grows over steps means the engines sample from stale weights. The engine
         # reports log-probs at the sampling temperature, so the gap is only ~0 at temperature 1.
