@@ -29,6 +29,9 @@ INSTALL = "pip install 'tirl[lora]'"
 ALL_LINEAR = "all-linear"
 ADAPTER_DIR = "adapter"  # in a checkpoint: the peft adapter (adapter_config.json names the base)
 MERGED_DIR = "merged"  # in a checkpoint: the adapter merged into a plain HF model, made on first use
+# In an adapter directory: the local base model's path relative to it (peft's adapter_config.json names
+# the absolute path). Its `adapter_` prefix keeps it out of the merged model's directory.
+BASE_RELATIVE = "adapter_base_relative.txt"
 HEAD = "lm_head"  # the chunked log-prob head (tirl.rl.policy.TokenHead) must stay a plain Linear
 
 
@@ -215,6 +218,9 @@ def save_adapter(model: torch.nn.Module, out_dir: Path, base: str, is_main: bool
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out_dir))
     save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if Path(base).is_dir():  # a local base: also where it lies from here, so that moving runs keeps it
+        relative = os.path.relpath(Path(base).resolve(), out_dir.resolve())
+        (out_dir / BASE_RELATIVE).write_text(relative + "\n")
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -222,11 +228,25 @@ def is_adapter_dir(path: str | Path) -> bool:
 
 
 def adapter_base(adapter_dir: str | Path) -> str:
-    """The base model an adapter was trained on (adapter_config.json's base_model_name_or_path)."""
-    base = json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not base:
+    """The base model an adapter was trained on: where it lies relative to the adapter (tirl's
+    BASE_RELATIVE file: a run and its base moved together), else adapter_config.json's
+    base_model_name_or_path (an absolute path, or a Hugging Face id). A local base found at neither is
+    one line saying so."""
+    adapter_dir = Path(adapter_dir)
+    named = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    relative_file = adapter_dir / BASE_RELATIVE
+    relative = adapter_dir / relative_file.read_text().strip() if relative_file.is_file() else None
+    if relative is not None and relative.is_dir():
+        return str(relative.resolve())
+    if not named:
         raise FileNotFoundError(f"{adapter_dir}: adapter_config.json names no base model")
-    return str(base)
+    if relative is not None and not Path(named).is_dir():
+        raise FileNotFoundError(
+            f"{adapter_dir}: its base model moved: it is neither at {os.path.normpath(relative)} (where it "
+            f"lay relative to the adapter) nor at {named}; move it back, or write its new path as "
+            f"base_model_name_or_path in {adapter_dir / 'adapter_config.json'}"
+        )
+    return str(named)
 
 
 def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, replace: bool = False) -> Path:
