@@ -214,6 +214,11 @@ class LoggingConfig(_Strict):
     alert_spike_factor: float = 2.0  # ... or jumps this many times above its running mean
     alert_sandbox_failure_rate: float = 0.05  # infra failures (sandbox_error) per tool call
     alert_min_calls: int = 20  # no alert on a step with fewer tool calls (ratios of a few calls are noise)
+    # The model giving up its tool (a silent failure of tool RL: the reward can still rise): an alert when
+    # tool calls per trajectory fall below this fraction of their mean over the run's first 3 steps, or
+    # below the floor. Every step is watched, however few its calls. None turns one off.
+    alert_tool_use_drop: float | None = Field(0.5, gt=0, lt=1)
+    alert_tool_use_floor: float | None = Field(None, gt=0)
     # Off-policy guard rails (what moved when async without correction collapsed: docs/results-async.md).
     # Each alerts when the step's value exceeds it; None turns that one off.
     alert_engine_logprob_gap: float | None = Field(0.05, gt=0)  # mean |engine - trainer| log-prob per token

@@ -125,7 +125,9 @@ class AlertMonitor:
     (engine log-prob gap, length-limit share, TIS truncation, ratio max, approx KL) pass their limits;
     and counts consecutive alerting steps for `alert_action=stop`.
 
-    A step with fewer than `alert_min_calls` tool calls raises no tool alert and does not enter the
+    Tool use itself is watched on every step (`alert_tool_use_drop`, `alert_tool_use_floor`): a model that
+    stops calling its tool makes few calls, which the error alerts skip. A step with fewer than
+    `alert_min_calls` tool calls raises no tool-error alert and does not enter the
     running mean (the ratio of a few calls is noise); the spike test needs a running mean of at least
     `_MIN_HISTORY` such steps. The engine log-prob gap is only watched when `comparable_logprobs` (the
     agent samples at temperature 1 and top_p 1): otherwise the engine's log-probs are of another
@@ -133,16 +135,39 @@ class AlertMonitor:
     """
 
     _MIN_HISTORY = 3
+    _EARLY_STEPS = 3  # the steps whose calls per trajectory are the early-run level of tool use
 
     def __init__(self, cfg: LoggingConfig, comparable_logprobs: bool = True):
         self.cfg = cfg
         self.comparable_logprobs = comparable_logprobs
         self.history: list[float] = []
+        self.early_tool_use: list[float] = []  # calls per trajectory of the first _EARLY_STEPS steps
         self.streak_start: int | None = None  # first step of the current run of alerting steps
         self.streak = 0
 
     def check(self, m: dict) -> list[str]:
-        return self._tool_alerts(m) + self._off_policy_alerts(m)
+        return self._tool_use_alerts(m) + self._tool_alerts(m) + self._off_policy_alerts(m)
+
+    def _tool_use_alerts(self, m: dict) -> list[str]:
+        per = m.get("tools/calls_per_traj")
+        if per is None:
+            return []
+        floor, drop = self.cfg.alert_tool_use_floor, self.cfg.alert_tool_use_drop
+        if len(self.early_tool_use) < self._EARLY_STEPS:
+            self.early_tool_use.append(per)
+            early = None
+        else:
+            early = float(np.mean(self.early_tool_use))
+        if floor is not None and per < floor:
+            return [
+                f"tool calls per trajectory {per:.2f} below the floor {floor:g}: the model stopped using its tool"
+            ]
+        if drop is not None and early and per < drop * early:
+            return [
+                f"tool calls per trajectory fell to {per:.2f} from {early:.2f} in the first {self._EARLY_STEPS} "
+                f"steps (alert below {drop:.0%} of it): the model is giving up its tool, whatever the reward says"
+            ]
+        return []
 
     def _tool_alerts(self, m: dict) -> list[str]:
         if m.get("tools/calls", 0) < self.cfg.alert_min_calls:
