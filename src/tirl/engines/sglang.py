@@ -1,7 +1,7 @@
 """engine.backend=sglang: SGLang engines that tirl starts and owns, one SGLang server process each.
 
 Each engine is `python -m sglang.launch_server` on a loopback port (its GPU pinned through
-CUDA_VISIBLE_DEVICES), driven through SGLang's native API by the same client as engine.backend=remote
+CUDA_VISIBLE_DEVICES) with a random API key that only this process holds, driven through SGLang's native API by the same client as engine.backend=remote
 (tirl.engines.remote, api=sglang): token ids in (`input_ids`), token ids and log-probs out
 (`output_token_logprobs`), free KV from /v1/loads for the KV-aware scheduler, weights reloaded in
 place (/update_weights_from_disk, from a safetensors file tirl writes to /dev/shm), the radix
@@ -17,6 +17,7 @@ it dies with this process (tirl.lifetime).
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -41,6 +42,16 @@ INSTALL_HINT = (
 
 
 PYTHON_ENV = "TIRL_SGLANG_PYTHON"  # an interpreter of another environment that has SGLang
+API_KEY_ENV = "TIRL_SGLANG_API_KEY"  # the server's key, handed over in its environment only
+
+# `python -m sglang.launch_server ... --api-key KEY`, with KEY taken from the environment: an argument
+# is readable by every user of the machine (/proc/PID/cmdline, `ps`), the environment only by its
+# owner. Popped, so SGLang's own workers do not inherit it.
+LAUNCH = (
+    "import os, runpy, sys; "
+    f"sys.argv += ['--api-key', os.environ.pop({API_KEY_ENV!r})]; "
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
+)
 
 
 def sglang_python() -> str:
@@ -67,8 +78,9 @@ def _free_port() -> int:
 
 
 def sglang_server_command(cfg: EngineConfig, port: int) -> list[str]:
-    """The SGLang server command for one engine of `cfg` (dtype, context, memory, seed, caching, sleep)."""
-    argv = [sglang_python(), "-m", "sglang.launch_server", "--model-path", cfg.model]
+    """The SGLang server command for one engine of `cfg` (dtype, context, memory, seed, caching, sleep).
+    It requires the API key in $TIRL_SGLANG_API_KEY (`server_env`), never on its command line."""
+    argv = [sglang_python(), "-c", LAUNCH, "--model-path", cfg.model]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--context-length", str(cfg.max_model_len)]
     argv += ["--random-seed", str(cfg.seed), "--log-level", "warning", "--skip-server-warmup"]
     if cfg.dtype != "auto":
@@ -84,6 +96,16 @@ def sglang_server_command(cfg: EngineConfig, port: int) -> list[str]:
     if cfg.enable_sleep_mode:
         argv += ["--enable-memory-saver"]
     return argv
+
+
+def server_env(api_key: str, gpu: str | None, device: str) -> dict[str, str]:
+    """The server's environment: this one, its key, its GPU, and SGLang's CPU engine on a CPU."""
+    env = dict(os.environ) | {API_KEY_ENV: api_key}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    if resolve_device(device).type == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU kernels (else it reaches for CUDA/vLLM ops)
+    return env
 
 
 def _child_setup() -> None:
@@ -104,14 +126,12 @@ class SGLangEngine:
         self.cfg, self.name = cfg, name
         self.port = _free_port()
         self._weights = tempfile.mkdtemp(prefix=f"tirl-{name}-", dir=_transfer_root())
-        env = dict(os.environ)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        if resolve_device(cfg.device).type == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU kernels (else it reaches for CUDA/vLLM ops)
+        # Without a key any local program (or a web page, by DNS rebinding: SGLang checks no Host)
+        # could generate or reload the weights. Random per server, kept in memory only.
+        api_key = secrets.token_urlsafe(32)
         self._proc = subprocess.Popen(
             sglang_server_command(cfg, self.port),
-            env=env,
+            env=server_env(api_key, gpu, cfg.device),
             stdin=subprocess.DEVNULL,
             process_group=0,
             preexec_fn=_child_setup,  # the parent-death signal must be set in the child itself
@@ -119,6 +139,7 @@ class SGLangEngine:
         servers = RemoteServers(
             urls=[f"http://127.0.0.1:{self.port}"],
             api="sglang",
+            api_key=api_key,
             weights_dir=self._weights,
             start_timeout_s=1800,
         )
