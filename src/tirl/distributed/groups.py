@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import logging
 import os
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,12 +24,22 @@ import torch.distributed as dist
 
 from tirl.devices import resolve_device
 
+# A collective every rank enters at once (the update's, the weight sync's gathers, a checkpoint's) that
+# has not completed in this time will not: a rank died, hangs, or is in another collective. The default
+# group gets it, so a stuck sync fails in minutes (TIRL_COLLECTIVE_TIMEOUT_S changes it).
+COLLECTIVE_TIMEOUT_S = 600.0
+# Under torchrun the other ranks wait for rank 0's rollouts (broadcast_object) and its engine moves and
+# exports (barrier): hours, on a gloo group of their own.
+WAIT_TIMEOUT = timedelta(hours=4)
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
     world_size: int
     device: torch.device
+    waits: Any = None  # the group for waits on rank 0 (WAIT_TIMEOUT); None: the default group
 
     @property
     def is_main(self) -> bool:
@@ -48,13 +61,54 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     faulthandler.enable()  # a rank that aborts in native code says where in Python it was
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # Rollouts run on rank 0 while the others wait in a collective: allow long steps.
-        dist.init_process_group(backend, timeout=timedelta(hours=4))
+        dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout_s()))
+    # Rollouts run on rank 0 while the others wait: those waits get a group with a long timeout.
+    waits = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
     rank = dist.get_rank()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    return DistInfo(rank, dist.get_world_size(), device)
+    return DistInfo(rank, dist.get_world_size(), device, waits)
+
+
+def collective_timeout_s() -> float:
+    value = os.environ.get("TIRL_COLLECTIVE_TIMEOUT_S")
+    try:
+        seconds = float(value) if value else COLLECTIVE_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"TIRL_COLLECTIVE_TIMEOUT_S={value!r}: give a number of seconds > 0")
+    return seconds
+
+
+@contextmanager
+def fails_in_minutes(what: str, info: DistInfo) -> Iterator[None]:
+    """`what`, a collective every rank takes part in (the weight sync), fails within the collective
+    timeout with what to check, instead of hanging: gloo raises (re-raised here with the hint), NCCL's
+    watchdog aborts the process (the hint is logged just before)."""
+    if not info.enabled:
+        yield
+        return
+    seconds = collective_timeout_s()
+    hint = (
+        f"{what} did not complete within {seconds:.0f} s on rank {info.rank}: another rank died, hangs or "
+        "is in a different collective. Check every rank's log for its first error (and that each reached "
+        "this step's sync), NCCL_DEBUG=INFO for the collective each rank is in, the network between the "
+        "nodes; TIRL_COLLECTIVE_TIMEOUT_S sets the limit"
+    )
+    timer = threading.Timer(seconds * 0.95, log.error, args=(hint,))
+    timer.daemon = True
+    start = time.monotonic()
+    timer.start()
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        if time.monotonic() - start < seconds * 0.9:
+            raise  # an error of its own, not a wait that ran out
+        raise TimeoutError(f"{hint} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    finally:
+        timer.cancel()
 
 
 def use_expandable_segments() -> None:
@@ -141,17 +195,18 @@ def all_reduce(values: list[float], info: DistInfo, op: str = "sum") -> list[flo
 
 
 def broadcast_object(obj: Any, info: DistInfo) -> Any:
-    """Rank 0's object on every rank."""
+    """Rank 0's object on every rank (the others may wait for it as long as a rollout takes)."""
     if not info.enabled:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=getattr(info, "waits", None))
     return box[0]
 
 
 def barrier(info: DistInfo) -> None:
+    """Every rank here (waiting as long as rank 0's engine moves or an export take)."""
     if info.enabled:
-        dist.barrier()
+        dist.barrier(group=getattr(info, "waits", None))
 
 
 # ---- sharded checkpoints (torch.distributed.checkpoint) ----

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.distributed.groups import DistInfo
+from tirl.distributed.groups import DistInfo, fails_in_minutes
 from tirl.distributed.weight_sync import FULL_SYNC, LORA_SYNC, Source, SyncKind, gathered
 from tirl.rl.lora import merged_tensors
 from tirl.rl.policy import Policy, TrainSample
@@ -55,11 +55,12 @@ class LocalLearner:
                 f"a local learner loads weights into in-process engines, not over {runtime.transport!r}"
             )
         pairs, nbytes = [], 0
-        for name, source in self.sync_tensors().items():
-            tensor = gathered(source).detach()
-            if runtime is not None:
-                pairs.append((name, tensor.cpu()))
-                nbytes += tensor.numel() * tensor.element_size()
+        with fails_in_minutes("the weight sync's gathers", self.info):
+            for name, source in self.sync_tensors().items():
+                tensor = gathered(source).detach()
+                if runtime is not None:
+                    pairs.append((name, tensor.cpu()))
+                    nbytes += tensor.numel() * tensor.element_size()
         if runtime is not None:
             runtime.load_weights(pairs)
         return {"sync/tensors": float(len(pairs)), "sync/bytes": float(nbytes)}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.distributed.groups import DistInfo
+from tirl.distributed.groups import DistInfo, fails_in_minutes
 from tirl.distributed.weight_sync import SyncChannel, SyncGroup, SyncKind, free_port, send_weights
 from tirl.rl.update import Shard, shard_update
 from tirl.runtime.base import Runtime
@@ -84,7 +84,8 @@ class TrainerWorker:
         device = self.learner.policy.device if on_gpu else torch.device("cpu")
         wire = getattr(torch, dtype.removeprefix("torch.")) if dtype else None
         tensors = self.learner.sync_tensors()
-        return send_weights(self.learner.policy.model, pg, bucket_bytes, device, wire, tensors=tensors)
+        with fails_in_minutes("the weight sync", self.learner.info):
+            return send_weights(self.learner.policy.model, pg, bucket_bytes, device, wire, tensors=tensors)
 
 
 class RayLearner:
