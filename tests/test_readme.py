@@ -1,10 +1,14 @@
 """The docs' commands run as written: every shell command and the Python snippet of the README's
-"Quickstart" section, then of docs/commands.md, then of docs/sandbox.md's "Running it" section, in that
+"Quickstart" section, then of docs/commands.md, docs/sandbox.md's "Running it" section, the README's
+"LoRA" section, docs/lora.md, docs/engines.md's OpenAI-agent example and docs/memory-plan.md, in that
 order, in one fresh run directory (a command shown twice runs once).
 
 Every other `tirl` command the README or a docs/*.md page shows (a GPU, a cluster, a placeholder) is
 listed in NOT_RUN with the reason; all of them, run or not, must parse with tirl's command line and, when
-they name a real config, load it with their `key.path=value` overrides.
+they name a real config, load it with their `key.path=value` overrides. Every other shell command of
+docs/engines.md, docs/lora.md and docs/memory-plan.md (an install, a server for a 14B model, a test
+command) is listed in NOT_RUN_SHELL with the reason, and a command in those pages cannot hide in a fenced
+block without a language.
 
 Only sizes shrink (fewer steps, samples and tokens, a tiny model for the 14B one, small local benchmark
 files, a free port for 8080): SMALL below holds one rule per README command, and a README command
@@ -37,7 +41,13 @@ RUNNABLE = [
     (README, "## Quickstart\n"),
     (DOCS / "commands.md", None),
     (DOCS / "sandbox.md", "## Running it\n"),
+    (README, "## LoRA\n"),
+    (DOCS / "lora.md", None),
+    (DOCS / "engines.md", "### Example: an OpenAI-client agent trained with GRPO-RoC\n"),
+    (DOCS / "memory-plan.md", None),
 ]
+# Pages whose every shell command is run above or listed with its reason (NOT_RUN, NOT_RUN_SHELL).
+EVERY_COMMAND = [DOCS / "engines.md", DOCS / "lora.md", DOCS / "memory-plan.md"]
 
 # The demo at the smallest size that still runs every phase (as tests/demo/test_demo.py).
 MICRO_DEMO = [
@@ -111,6 +121,27 @@ SMALL: dict[str, Rule] = {
         },
         extra=SMALL_RL,
     ),
+    # LoRA (README, docs/lora.md): one RL step of 2 x 2 rollouts on the hf engine from the demo's SFT model.
+    "tirl train --config src/tirl/configs/demo/train.yaml optim.lora.enabled=true": Rule(
+        extra=[
+            "engine.backend=hf",
+            "algorithm.prompts_per_step=2",
+            "algorithm.group_size=2",
+            "stages=[{name: synthetic, steps: 1, data: runs/demo/data/rl_train.jsonl}]",
+        ]
+    ),
+    "tirl export --model runs/rl-lora": Rule(),
+    "tirl sft --config src/tirl/configs/demo/sft.yaml optim.lora.enabled=true": Rule(extra=["batch_size=8"]),
+    # docs/engines.md's OpenAI-client agent: one step of 2 problems x 4 episodes, 2 held-out problems.
+    "python examples/openai_agent/train.py": Rule(
+        replace={"20": "1"},
+        extra=["--prompts", "2", "--group", "2", "--max-tokens", "48", "--max-turns", "2"],
+    ),
+    "python examples/openai_agent/heldout.py": Rule(extra=["--limit", "2"]),
+    # docs/memory-plan.md: the 14B plan takes minutes here; the tiny model made by `model init` stands in.
+    "tirl plan --config src/tirl/configs/rstar2/train.yaml --arch qwen3-14b --gpus 8 --gpu-memory 80": Rule(
+        replace={"qwen3-14b": "runs/tiny"}
+    ),
 }
 
 # Small local copies of the registry benchmarks the README names (no network), and training files.
@@ -138,12 +169,30 @@ NOT_RUN: dict[str, str] = {
     "tirl data filter-hard --checkpoint RUN/": "a Ray cluster with GPUs and a trained checkpoint",
     "tirl train --config CONFIG algorithm.async=true": "a placeholder config; asynchronous training runs "
     "are tests/rl (async producer, k=0 bit for bit, resume) and benchmarks/async_demo.py",
-    "tirl train --config src/tirl/configs/demo/train.yaml optim.lora.enabled=true": "after a demo run; "
-    "LoRA's training runs are tests/rl/test_lora.py (sync and async, resume, FSDP2, both engines)",
-    "tirl sft --config src/tirl/configs/demo/sft.yaml optim.lora.enabled=true": "after a demo run; "
-    "LoRA's SFT runs are tests/rl/test_lora.py (adapter checkpoints, their merge, resume)",
+    "tirl demo --out runs/demo": "the same run as `make demo` above (its default --out), already made",
+    "tirl plan --config src/tirl/configs/rstar2/train.yaml --arch qwen3-14b --gpus 64": "the 14B plans "
+    "take minutes each on 2 cores: the 8-GPU one runs on the tiny model; tests/rl/test_plan.py plans 1, 8 "
+    "and 64 GPUs through the CLI",
+    "tirl plan --config src/tirl/configs/rstar2/train.yaml --arch qwen3-14b --gpus 1": "as the 64-GPU plan",
+    "tirl plan --config src/tirl/configs/rstar2/sft.yaml --arch qwen3-14b": "as the 64-GPU plan",
+    "tirl plan --config src/tirl/configs/rstar2/train.yaml --arch qwen3-14b --gpus 8 --largest": "plans one "
+    "14B candidate after another (minutes each here); tests/rl/test_plan.py runs --largest",
     "tirl demo --compare grpo --seeds 5": "two hours on 2 cores (10 RL runs); --compare and --seeds are run by "
     "tests/demo/test_demo.py, the trace mix (TraceMix) by tests/demo/test_sft_traces.py",
+}
+# Shell commands of EVERY_COMMAND's pages that are not `tirl` commands and are not run: a prefix and why.
+NOT_RUN_SHELL: dict[str, str] = {
+    "pip install -e .[lora]": "an install: `make install` has every extra the docs use",
+    "pip install -e .[openai]": "an install: `make install` has every extra the docs use",
+    "python3 -m venv .venv-sglang": "SGLang needs CUDA and an environment of its own (engines.md's last section)",
+    "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model /shared/models/qwen3-14b": "a "
+    "14B model on a GPU; the CPU command below it is the one tests/engines/test_remote.py starts "
+    "(test_the_documented_vllm_servers_are_the_ones_tirl_starts)",
+    "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model runs/tiny": "a server that "
+    "runs until stopped (minutes to start here): tests/engines/test_remote.py starts one with these flags",
+    "nice -n 5 pytest": "test commands: `make test` runs them",
+    "python benchmarks/lora_demo.py": "two 30-step RL runs (an hour on 2 cores); tests/rl/test_lora.py "
+    "trains LoRA adapters, and this page's commands run above at one step",
 }
 # Placeholders of NOT_RUN commands, replaced by a real file when their config is loaded.
 PLACEHOLDER_CONFIG = {"CONFIG": "src/tirl/configs/demo/train.yaml"}
@@ -214,8 +263,20 @@ def shell_commands(block: str) -> list[list[str]]:
     return [c for c in commands if c]
 
 
+def command_line(argv: list[str]) -> str:
+    """The command as the rules and reasons name it: the venv's programs without `.venv/bin/`."""
+    return " ".join(a.removeprefix(".venv/bin/") for a in argv)
+
+
+def not_run_reason(argv: list[str]) -> str | None:
+    """Why a documented command is not run here (NOT_RUN, NOT_RUN_SHELL), or None."""
+    line = command_line(argv)
+    reasons = [why for key, why in (NOT_RUN | NOT_RUN_SHELL).items() if line.startswith(key)]
+    return reasons[0] if reasons else None
+
+
 def rule_for(argv: list[str]) -> tuple[str, Rule]:
-    line = " ".join(a.removeprefix(".venv/bin/") for a in argv)
+    line = command_line(argv)
     matches = [key for key in SMALL if line.startswith(key)]
     assert matches, (
         f"README command `{' '.join(argv)}` has no small-size rule in tests/test_readme.py: add one"
@@ -231,8 +292,10 @@ def small(argv: list[str], rule: Rule, port: int) -> list[str]:
         argv = ["tirl", "demo", *argv[2:]]
     if argv[0].endswith("tirl"):
         return tirl_argv(*argv[1:])
-    if argv[0] == "torchrun":
+    if argv[0].endswith("torchrun"):
         return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    if argv[0].endswith("/python"):  # .venv/bin/python: this interpreter (the run directory has no .venv)
+        return [sys.executable, *argv[1:]]
     if argv[0] == "curl":  # an HTTP error is an error
         return ["curl", "--fail-with-body", "-sS", *argv[1:]]
     return argv
@@ -247,6 +310,7 @@ def rundir(tmp_path_factory) -> tuple[Path, dict]:
     """A fresh directory laid out like the repository root (src/ is the repo's), with small data files."""
     cwd = tmp_path_factory.mktemp("readme")
     (cwd / "src").symlink_to(ROOT / "src")
+    (cwd / "examples").symlink_to(ROOT / "examples")
     data = cwd / "benchmarks"
     data.mkdir()
     for name, rows in BENCHMARK_FILES.items():
@@ -288,7 +352,7 @@ def run_python(snippet: str, cwd: Path, env: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # ~20 commands, each a real run at small size
+@pytest.mark.timeout(3600)  # ~30 commands, each a real run at small size
 def test_every_quickstart_command_runs_as_written(rundir):
     cwd, env = rundir
     port = free_port()
@@ -304,6 +368,9 @@ def test_every_quickstart_command_runs_as_written(rundir):
                 if tuple(argv) in seen:  # shown in the README and again in docs/: ran once
                     continue
                 seen.add(tuple(argv))
+                if (why := not_run_reason(argv)) is not None:
+                    print(f"{name}: {shlex.join(argv)}\n   not run: {why}", flush=True)
+                    continue
                 key, rule = rule_for(argv)
                 command = small(argv, rule, port)
                 print(f"{name}: {shlex.join(argv)}\n   ran as: {shlex.join(command)}", flush=True)
@@ -329,7 +396,7 @@ def test_the_quickstart_parses_into_known_commands():
     """Fast guard (every `make test-fast`): each runnable command has a rule, and the snippet compiles."""
     blocks = quickstart()
     commands = [argv for language, block in blocks if language == "bash" for argv in shell_commands(block)]
-    keys = {rule_for(argv)[0] for argv in commands}
+    keys = {rule_for(argv)[0] for argv in commands if not_run_reason(argv) is None}
     assert keys == set(SMALL), set(SMALL) ^ keys
     assert ["curl", "-s", "localhost:8080/health"] in commands  # `a; b` splits, comments drop
     serve = next(argv for argv in commands if argv[1:3] == ["sandbox", "serve"])
@@ -372,12 +439,11 @@ def test_every_documented_tirl_command_parses(monkeypatch):
     assert len(commands) > 20, commands
     for name, argv, args in commands:
         shown = f"{name}: `{shlex.join(argv)}`"
-        if tuple(argv) not in runnable:
-            line = " ".join(["tirl", *args])
-            reasons = [key for key in NOT_RUN if line.startswith(key)]
-            if not reasons:
-                problems.append(f"{shown} is neither run by this test nor listed in NOT_RUN with a reason")
-            not_run_used.update(reasons)
+        line = " ".join(["tirl", *args])
+        reasons = [key for key in NOT_RUN if line.startswith(key)]
+        if tuple(argv) not in runnable and not reasons:
+            problems.append(f"{shown} is neither run by this test nor listed in NOT_RUN with a reason")
+        not_run_used.update(reasons)
         try:
             command, params, extra = parse_tirl(args)
         except Exception as e:  # click's UsageError and friends: the message says what is wrong
@@ -392,3 +458,53 @@ def test_every_documented_tirl_command_parses(monkeypatch):
                 problems.append(f"{shown}: its config does not load: {e}")
     assert not problems, "\n".join(problems)
     assert not_run_used == set(NOT_RUN), f"NOT_RUN entries no doc shows: {set(NOT_RUN) - not_run_used}"
+
+
+def test_every_command_of_engines_lora_and_memory_plan_is_run_or_has_a_reason():
+    """docs/engines.md, docs/lora.md, docs/memory-plan.md: each shell command is run by the test above
+    (in a runnable part, with a small-size rule) or says why not; no fenced block lacks a language (a
+    command in one would escape this test)."""
+    runnable = {
+        tuple(argv)
+        for language, block in quickstart()
+        if language == "bash"
+        for argv in shell_commands(block)
+    }
+    problems, used = [], set()
+    for page in EVERY_COMMAND:
+        text = page.read_text()
+        fences = re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)  # opening and closing paired
+        problems += [
+            f"{page.name}: a fenced block without a language: {b[:60]!r}" for lang, b in fences if not lang
+        ]
+        for language, block in fenced_blocks(text):
+            for argv in shell_commands(block) if language in ("bash", "sh", "shell") else []:
+                line = command_line(argv)
+                used.update(key for key in NOT_RUN_SHELL if line.startswith(key))
+                if not_run_reason(argv) is None and tuple(argv) not in runnable:
+                    problems.append(f"{page.name}: `{shlex.join(argv)}` is neither run nor given a reason")
+    assert not problems, "\n".join(problems)
+    assert used == set(NOT_RUN_SHELL), f"NOT_RUN_SHELL entries no page shows: {set(NOT_RUN_SHELL) - used}"
+
+
+def test_the_documented_vllm_servers_are_the_ones_tirl_starts():
+    """docs/engines.md's `vllm serve` commands (GPU, and CPU with its KV budget) are what
+    tirl.engines.remote.vllm_serve_command builds, flag for flag, environment included."""
+    from tirl.engines.remote import vllm_serve_command
+
+    shown = [
+        argv
+        for language, block in fenced_blocks((DOCS / "engines.md").read_text())
+        if language == "bash"
+        for argv in shell_commands(block)
+        if "vllm.entrypoints.openai.api_server" in argv
+    ]
+    gpu = vllm_serve_command("/shared/models/qwen3-14b", 8000, "0.0.0.0", 16384)
+    cpu = vllm_serve_command("runs/tiny", 8000, "127.0.0.1", 4096, kv_cache_bytes=1 << 30)
+    expected = []
+    for argv, env in (gpu, cpu):
+        expected.append(
+            [f"{k}={v}" for k, v in env.items() if k == "VLLM_SERVER_DEV_MODE"]
+            + [".venv/bin/python", *argv[1:]]
+        )
+    assert shown == expected, shown
