@@ -21,6 +21,7 @@ one name); each engine backend maps names onto its own tied layout, as the in-pr
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
 import socket
@@ -50,25 +51,39 @@ class SyncGroup:
     backend: str = "gloo"  # nccl when the buffers live on GPUs
     timeout_s: float = 600.0
 
-    def join(self, rank: int) -> dist.ProcessGroup:
+    def join(self, rank: int, address: str | None = None) -> dist.ProcessGroup:
+        """`address`: this member's routable IP (Ray's node IP), where gloo listens for its peers."""
         timeout = timedelta(seconds=self.timeout_s)
         store = dist.TCPStore(self.host, self.port, self.world_size, rank == 0, timeout=timeout)
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, rank, self.world_size, dist.ProcessGroupNCCL.Options())
-        return dist.ProcessGroupGloo(store, rank, self.world_size, timeout)
+        return dist.ProcessGroupGloo(store, rank, self.world_size, gloo_options(timeout, address))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values: what vLLM's RPC encoder takes without pickling."""
         return asdict(self)
 
 
+def gloo_options(timeout: timedelta, address: str | None) -> dist.ProcessGroupGloo._Options:
+    """gloo's own pick is the address this host's name resolves to: loopback where /etc/hosts maps it
+    to 127.0.1.1 (Debian, Ubuntu images), which members on other nodes cannot reach. The member's
+    routable `address` instead, unless GLOO_SOCKET_IFNAME names an interface (the user's choice wins)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    if address and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return opts
+
+
 class SyncChannel:
     """One member's end of a sync group, joined once and reused by every sync; `close` shuts the
     group down (NCCL communicators otherwise outlive the run)."""
 
-    def __init__(self, group: SyncGroup, rank: int):
+    def __init__(self, group: SyncGroup, rank: int, address: str | None = None):
         self.group, self.rank = group, rank
-        self.pg: dist.ProcessGroup | None = group.join(rank)
+        self.pg: dist.ProcessGroup | None = group.join(rank, address)
         self.syncs = 0
 
     def close(self) -> None:
@@ -281,11 +296,12 @@ class WorkerReceiver:
     def tirl_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:  # the engine's extension
         raise NotImplementedError
 
-    def tirl_join(self, group: dict[str, Any], rank: int) -> None:
+    def tirl_join(self, group: dict[str, Any], rank: int, address: str | None = None) -> None:
         """`rank`: the engine's first rank; each tensor-parallel worker of it takes the next ones
-        (every worker receives the full tensors and keeps its own shard, as from a checkpoint)."""
+        (every worker receives the full tensors and keeps its own shard, as from a checkpoint).
+        `address`: this node's routable IP (the worker runs on its engine actor's node)."""
         self.tirl_leave()
-        self._tirl_channel = SyncChannel(SyncGroup(**group), rank + _tensor_parallel_rank())
+        self._tirl_channel = SyncChannel(SyncGroup(**group), rank + _tensor_parallel_rank(), address)
 
     def tirl_receive(self) -> int:
         """One whole sync: every bucket streamed into one in-place reload; the bytes received."""

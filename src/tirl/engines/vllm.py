@@ -418,10 +418,11 @@ class VLLMEngine(StagedWake, GroupReceiver):
         await self._llm.reset_prefix_cache(reset_running_requests=True)
         return results[0]
 
-    def join_sync_group(self, group: dict[str, Any], rank: int) -> None:
+    def join_sync_group(self, group: dict[str, Any], rank: int, address: str | None = None) -> None:
         """The worker joins a persistent sync group (needs a `worker_extension` with a receiver, e.g.
-        tirl.runtime.ray's); `rank` is this engine's first rank (a tensor-parallel worker adds its own)."""
-        self._call(self._llm.collective_rpc("tirl_join", args=(group, rank)))
+        tirl.runtime.ray's); `rank` is this engine's first rank (a tensor-parallel worker adds its own);
+        `address` this node's routable IP."""
+        self._call(self._llm.collective_rpc("tirl_join", args=(group, rank, address)))
 
     def receive_sync(self) -> int:
         """One sync from the group, streamed into one reload inside the worker; the bytes received."""

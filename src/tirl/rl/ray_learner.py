@@ -64,7 +64,7 @@ class TrainerWorker:
     def join_sync(self, group: SyncGroup) -> None:
         """Rank 0: the source end of the persistent sync group."""
         self.leave_sync()
-        self.channel = SyncChannel(group, 0)
+        self.channel = SyncChannel(group, 0, node_ip())  # gloo listens there, not where the hostname says
 
     def leave_sync(self) -> None:
         channel = getattr(self, "channel", None)

@@ -106,10 +106,11 @@ class EngineWorker:
     async def join_sync(self, group: SyncGroup, rank: int) -> None:
         """Join the persistent sync group: inside the vLLM worker, or here for an in-process engine."""
         await self.leave_sync()
+        address = node_ip()  # gloo listens here: the hostname may resolve to loopback
         if isinstance(self.engine, GroupReceiver):
-            await asyncio.to_thread(self.engine.join_sync_group, group.as_dict(), rank)
+            await asyncio.to_thread(self.engine.join_sync_group, group.as_dict(), rank, address)
         else:
-            self.channel = await asyncio.to_thread(SyncChannel, group, rank)
+            self.channel = await asyncio.to_thread(SyncChannel, group, rank, address)
 
     async def receive_sync(self) -> int:
         """One sync, loaded whole (one reload): generation never sees a half-updated model."""
