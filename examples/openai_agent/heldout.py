@@ -1,7 +1,7 @@
 """Held-out accuracy of a model with the demo's own evaluation (the one `tirl demo` reports before and
 after RL: its eval.yaml settings, engine and sandbox, on the demo's held-out problems).
 
-    python examples/openai_agent/heldout.py --demo runs/demo --model runs/openai_agent --out runs/openai_agent/eval
+    .venv/bin/python examples/openai_agent/heldout.py --demo runs/demo --model runs/openai_agent --out runs/openai_agent/eval
 
 Prints pass@1 (%) and writes the evaluation report to --out.
 """

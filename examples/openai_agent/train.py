@@ -1,6 +1,6 @@
 """GRPO-RoC on tirl's demo task, the rollouts played by a plain OpenAI-client agent (agent.py).
 
-    python examples/openai_agent/train.py --model runs/demo/sft --problems runs/demo/data/rl_train.jsonl \
+    .venv/bin/python examples/openai_agent/train.py --model runs/demo/sft --problems runs/demo/data/rl_train.jsonl \
         --steps 20 --out runs/openai_agent
 
 The agent talks to tirl's OpenAI-compatible endpoint, which records each episode's exact tokens, loss
