@@ -863,22 +863,23 @@ def _plan_with(config, plan: Plan, workload: Workload) -> Plan:
 
 def _most_sequences(config, full: Plan, one: Plan) -> Plan:
     """The largest micro-batch below `full`'s that fits, given `one` (one sequence) fits: the peak grows
-    about linearly with the sequences, so two measurements predict it; each guess is measured, and one
-    that does not fit gives the next, smaller guess its slope."""
-    b, n = full.workload.micro_batch
+    about linearly with the sequences, so the measurements around the answer predict it; each guess is
+    measured and narrows the bracket (fits at `best`, does not at `above`) until they are neighbours."""
+    n = full.workload.micro_batch[1]
     fixed = one.training_total - one.training.peak * (1 + one.slack)
     limit = (full.cluster.gpu_memory - fixed) / (1 + one.slack)
-    above, guess = full, b - 1
-    while guess > 1:
-        per_sequence = (above.training.peak - one.training.peak) / (above.workload.micro_batch[0] - 1)
-        guess = min(guess, 1 + int((limit - one.training.peak) // max(1.0, per_sequence)))
-        if guess <= 1:
-            break
+    best, above = one, full
+    while above.workload.micro_batch[0] - best.workload.micro_batch[0] > 1:
+        low, high = best.workload.micro_batch[0], above.workload.micro_batch[0]
+        slope = (above.training.peak - best.training.peak) / (high - low)
+        guess = low + int((limit - best.training.peak) // max(1.0, slope))
+        guess = min(high - 1, max(low + 1, guess))
         candidate = _plan_with(config, one, replace(one.workload, micro_batch=(guess, n)))
         if _training_fits(candidate):
-            return candidate
-        above, guess = candidate, guess - 1
-    return one
+            best = candidate
+        else:
+            above = candidate
+    return best
 
 
 # ---- the largest setting that fits ----
@@ -910,13 +911,12 @@ def _largest_micro_batch(config, cluster, workload, name) -> tuple[str, Any, Pla
     two = make_plan(config, cluster, replace(workload, micro_batch=(2, n)), name, advise=False)
     if not two.fits:
         return "optim.micro_batch_tokens", n, one
-    # as _most_sequences, from one and two sequences, capped at 256 sequences
+    # between two sequences (fit) and 256 (taken not to: its peak extrapolated from one and two)
     far = replace(two, workload=replace(two.workload, micro_batch=(256, n)))
     far.training = replace(
         two.training, peak=two.training.peak + 254 * (two.training.peak - one.training.peak)
     )
-    best = _most_sequences(config, far, one)
-    best = best if _tokens(best.workload) >= 2 * n else two
+    best = _most_sequences(config, far, two)
     return "optim.micro_batch_tokens", _tokens(best.workload), best
 
 
