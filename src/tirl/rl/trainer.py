@@ -304,6 +304,20 @@ def run_training(cfg: TrainConfig, resume: bool = False, progress: bool = True) 
         shutdown_distributed(synchronize=clean)
 
 
+def model_paths(cfg: TrainConfig, ckpt: Path | None, info: DistInfo) -> tuple[str, str]:
+    """The trainer's model and the engines' (resumed: the checkpoint's). With LoRA the trainer always
+    starts from the frozen base (a resumed run's adapter comes from its shards) and only the engines
+    serve the checkpoint's merged model: merged (fp32 on the host: 59 GB at 14B) only in the process
+    that opens them (rank 0), not on every rank's host."""
+    base = resolve_model_path(cfg.model)
+    if ckpt is None:
+        return base, base
+    if cfg.optim.lora.enabled:
+        return base, (str(checkpoint_model_dir(ckpt)) if info.is_main else base)
+    resumed = str(checkpoint_model_dir(ckpt))
+    return resumed, resumed
+
+
 async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool) -> Path:
     from rich.console import Console
 
@@ -316,10 +330,7 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
     if state.stage >= len(cfg.stages):
         console.print(f"{cfg.run_dir}: all {len(cfg.stages)} stages are done")
         return cfg.run_dir
-    model_path = str(checkpoint_model_dir(ckpt)) if ckpt else resolve_model_path(cfg.model)
-    # With LoRA the trainer always starts from the frozen base (a resumed run's adapter comes from its
-    # shards); the engines serve the merged model of the checkpoint.
-    policy_path = resolve_model_path(cfg.model) if cfg.optim.lora.enabled else model_path
+    policy_path, model_path = model_paths(cfg, ckpt, info)
     check_lora(policy_path, cfg.optim.lora)
     if cfg.algorithm.kl_coef and (info.enabled or cfg.cluster.trainer.ranks > 1):
         raise ConfigError(
