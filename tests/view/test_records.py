@@ -243,11 +243,13 @@ def test_the_agent_config_limits_and_schemas_are_the_ones_parsed_with():
 
 
 def test_view_record_fields():
-    text = call("print(1)") + segment("1") + "<answer>\\boxed{1}</answer><answer>2</answer>"
+    own = [call("print(1)"), "<answer>\\boxed{1}</answer><answer>2</answer>"]
+    text = own[0] + segment("1") + own[1]
     records = [ToolCallRecord(0, "runtime_error", "print(1)", 1.0), ToolCallRecord(0, "ok", "y", 2.0)]
     raw = traj(
         text,
         records,
+        model_turns=own,
         mask=[1, 1, 0, 1, 1],
         turns=2,
         answer_blocks=2,

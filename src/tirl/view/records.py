@@ -1,10 +1,15 @@
 """What the viewer shows: stored trajectories (an eval's or a training run's) turned into display records.
 
-A stored trajectory keeps the decoded response text and the loss mask, not its turns. This module
-splits the text into turns at the tool-response segments the agent appends (tirl.agent.protocol),
-re-parses each turn's tool calls with the agent's own parser, pairs every call with its recorded
-status and its tool response, and adds RoC's penalties (tirl.rl.roc). Token ids and log-probs are
-dropped: the page shows text, and 10,000 trajectories must stay a file a browser opens at once.
+A stored trajectory keeps the model's own turns (`model_turns`, the decoded runs of its generated
+tokens) and the decoded response text. Each shown turn is a model turn, never a piece of the text:
+a tool can print anything, chat markup and an `<answer>` included, so only the tool-response
+segments between the model's turns (the loss mask's 0-runs, located in the text) are read for the
+tool's output, and the answer is read from the model's turns only. Each turn's tool calls are
+re-parsed with the agent's own parser and paired with their recorded status and tool response; RoC's
+penalties are added (tirl.rl.roc). Records written before `model_turns` existed are split by their
+text as before, with a note saying a tool's output may pass for a turn there. Token ids and
+log-probs are dropped: the page shows text, and 10,000 trajectories must stay a file a browser opens
+at once.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tirl.agent.config import AgentConfig
 from tirl.agent.loop import call_source
-from tirl.agent.protocol import ToolCall, parse_tool_calls
+from tirl.agent.protocol import ToolCall, ToolCallError, parse_tool_calls
 from tirl.agent.trajectory import ToolCallRecord, Trajectory, turn_token_counts
 from tirl.data.loaders import DataError, read_jsonl
 from tirl.reward import extract_answer
@@ -23,8 +29,8 @@ from tirl.rl.roc import penalties
 
 TRAJECTORIES = "trajectories.jsonl"
 
-# One tool-response segment as tirl.agent.protocol.tool_response_text writes it (the prefill after it
-# stays with the next turn's text, where the model reads it).
+# An old record's tool-response segment as tirl.agent.protocol.tool_response_text writes it (the prefill
+# after it stays with the next turn's text, where the model reads it).
 _SEGMENT = re.compile(
     r"(?:<\|im_end\|>)?\n<\|im_start\|>user((?:\n<tool_response>\n.*?\n</tool_response>)*)"
     r"<\|im_end\|>\n<\|im_start\|>assistant\n",
@@ -142,7 +148,7 @@ def _view_record(raw: dict, index: int, agent: dict) -> dict:
     traj = Trajectory.from_dict(raw)
     tokens = raw.get("turn_tokens") or turn_token_counts(traj.loss_mask)
     pen = penalties(traj, (raw.get("roc") or {}).get("no_tool_p_err", 0.5))
-    answer = raw["answer"] if "answer" in raw else extract_answer(traj.response_text)
+    turns, note = view_turns(traj, tokens, agent)
     statuses: dict[str, int] = {}
     for c in traj.tool_calls:
         statuses[c.status] = statuses.get(c.status, 0) + 1
@@ -154,11 +160,12 @@ def _view_record(raw: dict, index: int, agent: dict) -> dict:
         "sample": traj.sample_index,
         "problem": raw.get("problem", ""),
         "reference": raw.get("reference"),
-        "answer": answer,
+        "answer": shown_answer(raw, traj),
         "reward": traj.reward,
         "finish": traj.finish_reason,
         "error": traj.error,
-        "turns": split_turns(traj, tokens, agent),
+        "turns": turns,
+        "note": note,
         "ncalls": traj.num_tool_calls,
         "nerr": traj.num_tool_errors,
         "statuses": statuses,
@@ -174,8 +181,136 @@ def _view_record(raw: dict, index: int, agent: dict) -> dict:
     }
 
 
+def has_own_turns(traj: Trajectory) -> bool:
+    """Recorded with the model's own turns (every turn generated since `model_turns` existed has one)."""
+    return bool(traj.model_turns) or not traj.response_text
+
+
+def shown_answer(raw: dict, traj: Trajectory) -> str | None:
+    """The answer column: read from the model's own turns; an older record's stored answer (its
+    writer's word); never from the decoded text, where a tool's printed `<answer>` passes for one."""
+    if has_own_turns(traj):
+        return extract_answer(traj.model_turns)
+    stored = raw.get("answer")
+    return None if stored is None else str(stored)
+
+
+LEGACY_NOTE = (
+    "recorded before tirl kept the model's own turns: these turns are split from the decoded text, where "
+    "a tool's output that prints chat markup can pass for a turn, and no answer is read from that text"
+)
+UNPLACED_NOTE = (
+    "the tool responses could not be located between the model's turns in the decoded text: "
+    "the model's own turns are shown without them"
+)
+
+
+def view_turns(traj: Trajectory, tokens: list[tuple[int, int]], agent: dict) -> tuple[list[dict], str]:
+    """The turns the page shows (each a list of parts: text, or a tool call with its status and
+    response) and a note on how far they can be trusted ("" when they are the model's own)."""
+    if not has_own_turns(traj):
+        return _legacy_turns(traj, tokens, agent), LEGACY_NOTE
+    n = len(traj.model_turns)
+    if n == 0:
+        return [], ""
+    prefill = _prefill(agent)
+    # the token counts say whether a tool response followed the last turn (an infrastructure error
+    # after it); without them, either
+    trailing = tokens[n - 1][1] > 0 if len(tokens) >= n else None
+    starts = place_turns(traj.response_text, traj.model_turns, prefill, trailing)
+    gaps = _gaps(traj.response_text, traj.model_turns, starts)
+    unused = list(traj.tool_calls)
+    turns, before = [], ""
+    for k, own in enumerate(traj.model_turns):
+        gen, tool = tokens[k] if k < len(tokens) else (None, None)
+        calls = parse_tool_calls(own, agent.get("max_calls_per_turn"), agent.get("tool_schema"))
+        responses = _segment_responses(gaps[k], len(calls), prefill) if gaps[k] else []
+        parts = _turn_parts(own, k, calls, responses, unused)
+        if before and parts and parts[0][0] == "text":
+            parts[0][1] = before + parts[0][1]
+        elif before:
+            parts.insert(0, ["text", before])
+        turns.append({"gen": gen, "tool": tool, "parts": parts})
+        before = prefill if gaps[k] else ""  # the frame's prefill, read by the model before its next turn
+    return turns, "" if starts is not None else UNPLACED_NOTE
+
+
+# The frame tirl writes around tool responses (tirl.agent.protocol.tool_response_pieces): after the
+# model's turn (and its <|im_end|> unless the turn wrote it), the responses, then the next header.
+_HEAD = "\n<|im_start|>user\n<tool_response>\n"
+_BETWEEN = "\n</tool_response>\n<tool_response>\n"
+_CLOSE = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def _prefill(agent: dict) -> str:
+    """What the frame writes after the assistant header that follows a tool response."""
+    again = agent.get("continue_prefill")
+    return str(again if again is not None else agent.get("prefill", AgentConfig().prefill))
+
+
+def _is_segment(gap: str, prefill: str) -> bool:
+    head = gap.removeprefix("<|im_end|>")
+    return (
+        head.startswith(_HEAD)
+        and head.endswith(_CLOSE + prefill)
+        and (len(head) >= len(_HEAD) + len(_CLOSE + prefill))
+    )
+
+
+def place_turns(text: str, turns: list[str], prefill: str, trailing: bool | None) -> list[int] | None:
+    """Where each of the model's turns starts in the decoded text, each gap between two being one
+    tool-response segment (and after the last one, a segment iff `trailing`; None: either); None when
+    no such placement exists. Every turn is placed at the earliest start that leaves a placement for the
+    rest: a tool's output comes before the turns that read it, so it can hold a later turn's text only
+    by predicting it, and it never moves a turn's text, which is shown from `turns` itself."""
+    failed: set[tuple[int, int]] = set()
+    closing = _CLOSE + prefill
+
+    def place(k: int, start: int) -> list[int] | None:
+        if (k, start) in failed or not text.startswith(turns[k], start):
+            return None
+        end = start + len(turns[k])
+        if k == len(turns) - 1:
+            rest = text[end:]
+            ok = (not rest and trailing is not True) or (trailing is not False and _is_segment(rest, prefill))
+            return [start] if ok else None
+        at = text.find(closing, end)
+        while at >= 0:
+            after = at + len(closing)
+            if _is_segment(text[end:after], prefill):
+                placed = place(k + 1, after)
+                if placed is not None:
+                    return [start, *placed]
+            at = text.find(closing, at + 1)
+        failed.add((k, start))
+        return None
+
+    return place(0, 0) if turns else None
+
+
+def _gaps(text: str, turns: list[str], starts: list[int] | None) -> list[str | None]:
+    """The tool-response segment after each turn (None: none, or not located)."""
+    if starts is None:
+        return [None] * len(turns)
+    ends = [s + len(t) for s, t in zip(starts, turns, strict=True)]
+    return [text[e:b] or None for e, b in zip(ends, [*starts[1:], len(text)], strict=True)]
+
+
+def _segment_responses(gap: str, calls: int, prefill: str) -> list[str]:
+    """The tool's text of each call in a located segment; a response that prints the frame's own
+    separator splits there, but whatever it printed stays tool output."""
+    head = gap.removeprefix("<|im_end|>")
+    inner = head[len(_HEAD) : len(head) - len(_CLOSE + prefill)]
+    return inner.split(_BETWEEN, max(calls - 1, 0))
+
+
 def split_turns(traj: Trajectory, tokens: list[tuple[int, int]], agent: dict) -> list[dict]:
-    """The trajectory's turns: each a list of parts (text, or a tool call with its status and response)."""
+    """The trajectory's turns as the page shows them (view_turns, without its note)."""
+    return view_turns(traj, tokens, agent)[0]
+
+
+def _legacy_turns(traj: Trajectory, tokens: list[tuple[int, int]], agent: dict) -> list[dict]:
+    """An old record's turns, split at the tool-response segments found in its decoded text."""
     text = traj.response_text
     turn_texts, responses, start = [], [], 0
     for m in _SEGMENT.finditer(text):
@@ -188,17 +323,21 @@ def split_turns(traj: Trajectory, tokens: list[tuple[int, int]], agent: dict) ->
     for k, turn_text in enumerate(turn_texts):
         gen, tool = tokens[k] if k < len(tokens) else (None, None)
         turn_responses = responses[k] if k < len(responses) else []
-        parts = _turn_parts(turn_text, k, turn_responses, unused, agent)
+        calls = parse_tool_calls(turn_text, agent.get("max_calls_per_turn"), agent.get("tool_schema"))
+        parts = _turn_parts(turn_text, k, calls, turn_responses, unused)
         turns.append({"gen": gen, "tool": tool, "parts": parts})
     return turns
 
 
 def _turn_parts(
-    text: str, turn: int, responses: list[str], unused: list[ToolCallRecord], agent: dict
+    text: str,
+    turn: int,
+    calls: list[ToolCall | ToolCallError],
+    responses: list[str],
+    unused: list[ToolCallRecord],
 ) -> list[list]:
     parts: list[list] = []
     at = 0
-    calls = parse_tool_calls(text, agent.get("max_calls_per_turn"), agent.get("tool_schema"))
     for j, call in enumerate(calls):
         if call.start > at:
             parts.append(["text", text[at : call.start]])

@@ -265,6 +265,7 @@ function renderTrajectory(t) {
     <span class="badge">${fmt(t.gen_s, 1)} s generating · ${fmt(t.tool_s, 1)} s waiting for tools</span>
   </div>`;
   if (t.error) html += `<div class="box"><h4>error</h4><pre class="response st-runtime_error">${esc(t.error)}</pre></div>`;
+  if (t.note) html += `<div class="box" id="note"><h4>note</h4><div class="text">${esc(t.note)}</div></div>`;
   html += `<div class="box" id="roc"><h4>Resample-on-Correct</h4><div class="kv">
     <div><span>p_err</span>${fixed(t.p_err)}</div><div><span>p_format</span>${fixed(t.p_format)}</div>
     <div><span>p_total</span>${fixed(t.p_total)}</div>`;
