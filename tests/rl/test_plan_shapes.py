@@ -206,3 +206,27 @@ def test_the_largest_micro_batch_that_fits(wide_dir):
     assert tokens >= 4096 and tokens % 4096 == 0 and "FITS" in result.output
     over = _plan_cli([*base, f"optim.micro_batch_tokens={tokens + 4096}"])
     assert over.exit_code == 1, over.output
+
+
+def test_the_largest_context_that_fits():
+    """--largest context: the longest engine.max_model_len (a multiple of 1024, up to the model's
+    max_position_embeddings) whose whole plan fits, the micro-batch keeping its token budget; 1024
+    tokens more does not fit. The GPU is sized between the plans at 4096 and 8192 tokens."""
+    from transformers import Qwen3Config
+
+    from tirl.rl.plan import largest, make_plan, micro_batch_shape
+
+    config = Qwen3Config(**QWEN3_14B | {"num_hidden_layers": 2, "max_position_embeddings": 8192})
+
+    def at(length: int) -> Workload:
+        return _workload(engine=ENGINE | {"max_model_len": length}, shape=micro_batch_shape(4096, length))
+
+    def total(length: int) -> int:
+        return make_plan(config, ClusterShape(8, 80 * GiB, True, True), at(length), "wide").training_total
+
+    cluster = ClusterShape(8, (total(4096) + total(8192)) // 2, True, True)
+    key, length, plan = largest(config, cluster, at(1024), "context", "wide")
+    assert key == "engine.max_model_len" and 4096 <= length < 8192 and length % 1024 == 0, length
+    assert plan.fits and plan.workload.engine["max_model_len"] == length
+    assert plan.workload.micro_batch == micro_batch_shape(4096, length)
+    assert not make_plan(config, cluster, at(length + 1024), "wide", advise=False).fits
