@@ -70,12 +70,28 @@ def encode_framed(tokenizer, pieces: Sequence[Piece]) -> list[int]:
     if not spans:  # all frame (a prompt without tool messages): nothing to cut, nothing to check
         return _encode(tokenizer, text)
     controls = _controls(tokenizer)
-    cuts = _cuts(text, spans, controls.by_text)
-    bounds = [0, *cuts, len(text)]
-    chunks = [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
-    ids = [i for chunk in chunks for i in _encode(tokenizer, chunk)]
+    ids = [i for chunk in _chunks(text, spans, controls) for i in _encode(tokenizer, chunk)]
     _check_frame(tokenizer, ids, pieces, controls)
     return ids
+
+
+def encode_framed_offsets(tokenizer, pieces: Sequence[Piece]) -> tuple[list[int], list[tuple[int, int]]]:
+    """`encode_framed`'s ids, each with its [start, end) in the pieces' joined text (SFT keeps the loss
+    on the tokens of some spans only). Needs a fast tokenizer."""
+    text = "".join(t for t, _ in pieces)
+    spans = _untrusted_spans(pieces)
+    controls = _controls(tokenizer)
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    at = 0
+    for chunk in _chunks(text, spans, controls) if spans else [text]:
+        enc = tokenizer(chunk, add_special_tokens=False, return_offsets_mapping=True)
+        ids += enc["input_ids"]
+        offsets += [(at + a, at + b) for a, b in enc["offset_mapping"]]
+        at += len(chunk)
+    if spans:
+        _check_frame(tokenizer, ids, pieces, controls)
+    return ids, offsets
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -101,6 +117,12 @@ def _untrusted_spans(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
             spans.append((at, at + len(text)))
         at += len(text)
     return spans
+
+
+def _chunks(text: str, spans: list[tuple[int, int]], controls: _Controls) -> list[str]:
+    """`text` cut so that no control-token string overlapping untrusted text stays whole."""
+    bounds = [0, *_cuts(text, spans, controls.by_text), len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def _cuts(text: str, spans: list[tuple[int, int]], controls: dict[str, int]) -> list[int]:
