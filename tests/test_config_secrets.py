@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import re
 import stat
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
-from tirl.config import ConfigError, is_secret, load_config, redacted_dump
+from tirl.config import (
+    ENGINE_API_KEY_ENV,
+    SANDBOX_TOKEN_ENV,
+    ConfigError,
+    is_secret,
+    load_config,
+    redacted_dump,
+)
+from tirl.eval.commands import sandbox_config
 from tirl.eval.config import EvalConfig
 from tirl.rl.checkpoint import prepare_run_dir
 from tirl.rl.config import SFTConfig, TrainConfig
+from tirl.sandbox import SandboxConfig, open_executor
 
 KEY, TOKEN = "sk-live-0123456789abcdef", "tok-fedcba9876543210"
 
@@ -90,3 +100,54 @@ def test_every_field_named_like_a_secret_is_a_secret(model):
     named = {path for path, _ in _fields(model) if SECRET_NAME.search(path.rsplit(".", 1)[-1])}
     marked = {path for path, field in _fields(model) if is_secret(field)}
     assert named <= marked, f"not typed tirl.config.Secret: {sorted(named - marked)}"
+
+
+@pytest.mark.parametrize("model", [TrainConfig, SFTConfig, EvalConfig])
+def test_every_secret_left_null_has_one_environment_variable(model):
+    secrets = {path: field.json_schema_extra for path, field in _fields(model) if is_secret(field)}
+    assert all(isinstance(extra, dict) and extra.get("env") for extra in secrets.values()), secrets
+
+
+# ---- a reloaded config gets its secrets back, the same way for every consumer ----
+
+
+def _saved(tmp_path, monkeypatch, **config) -> Path:
+    """A run directory's saved config (its secrets written as null), the environment without them."""
+    monkeypatch.delenv(SANDBOX_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(ENGINE_API_KEY_ENV, raising=False)
+    cfg = _config(tmp_path, **config)
+    prepare_run_dir(cfg.run_dir, cfg, resume=False, is_main=True, say=lambda _: None)
+    return cfg.run_dir / "config.yaml"
+
+
+def test_a_reloaded_config_reads_null_secrets_from_the_environment(tmp_path, monkeypatch):
+    saved = _saved(tmp_path, monkeypatch)
+    bare = load_config(TrainConfig, saved)
+    assert (bare.sandbox.token, bare.engine.remote.api_key) == (None, None)
+    monkeypatch.setenv(SANDBOX_TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(ENGINE_API_KEY_ENV, KEY)
+    resumed = load_config(TrainConfig, saved)
+    assert (resumed.sandbox.token, resumed.engine.remote.api_key) == (TOKEN, KEY)
+    # eval's remote sandbox (tirl eval --sandbox URL) resolves it the same way
+    assert sandbox_config(["http://10.0.0.2:8000"]).token == TOKEN
+    # a value in the config (or an override) wins; a reference still resolves
+    monkeypatch.setenv("OTHER_KEY", "other")
+    given = load_config(TrainConfig, saved, ["sandbox.token=mine", "engine.remote.api_key=env:OTHER_KEY"])
+    assert (given.sandbox.token, given.engine.remote.api_key) == ("mine", "other")
+
+
+async def test_a_resumed_training_config_reaches_a_token_protected_sandbox(tmp_path, monkeypatch):
+    """A real `tirl sandbox serve` that requires a bearer token, reached through the config a resumed
+    run reloads: without the token it answers 401 (an infrastructure failure); with it, code runs."""
+    async with open_executor(SandboxConfig(mode="local", slots=1, retries=0)) as service:
+        saved = _saved(tmp_path, monkeypatch)
+        yaml_text = saved.read_text().replace("http://10.0.0.2:8000", service.endpoints[0])
+        saved.write_text(yaml_text)
+        cfg = load_config(TrainConfig, saved, ["sandbox.retries=0"])
+        async with open_executor(cfg.sandbox) as executor:
+            refused = await executor.run("print(6 * 7)")
+        assert refused.is_infra_error and refused.stdout == ""
+        monkeypatch.setenv(SANDBOX_TOKEN_ENV, service.token)
+        cfg = load_config(TrainConfig, saved, ["sandbox.retries=0"])
+        async with open_executor(cfg.sandbox) as executor:
+            assert (await executor.run("print(6 * 7)")).stdout == "42\n"

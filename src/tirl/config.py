@@ -12,6 +12,7 @@ Three departures from plain PyYAML, both so that what the docs write works as wr
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import typing
@@ -236,12 +237,19 @@ def ensure_writable_dir(path: str | Path, what: str, private: bool = False) -> P
 #
 # A field typed `Secret` (an API key, a bearer token) takes the value itself, `env:NAME` (read from
 # that environment variable) or `file:PATH` (the file's first line, e.g. a 0600 file of its own), and
-# is written as null in every saved config and report (`redacted_dump`).
+# is written as null in every saved config and report (`redacted_dump`). A `secret_or_env(VAR)` field
+# left null (as a reloaded saved config holds it) is read from $VAR when the config is loaded, so every
+# consumer of the field gets the same value, whoever loaded the config.
 
 SECRET_MARK = {"secret": True}
+SANDBOX_TOKEN_ENV = "TIRL_SANDBOX_TOKEN"  # sandbox.token; also how tirl hands a service its token
+ENGINE_API_KEY_ENV = "TIRL_ENGINE_API_KEY"  # engine.remote.api_key
 
 
-def _resolve_secret(value: object) -> object:
+def _resolve_secret(value: object, env: str | None = None) -> object:
+    """A Secret field's value: as given, from `env:NAME` or `file:PATH`, or (null) from $`env`."""
+    if value is None and env:
+        return os.environ.get(env) or None
     if not isinstance(value, str):
         return value
     if value.startswith("env:"):
@@ -259,6 +267,15 @@ def _resolve_secret(value: object) -> object:
 
 
 Secret = Annotated[str | None, BeforeValidator(_resolve_secret), Field(json_schema_extra=SECRET_MARK)]
+
+
+def secret_or_env(env: str) -> Any:
+    """The type of a Secret field that, left null, is read from the environment variable `env`."""
+    return Annotated[
+        str | None,
+        BeforeValidator(functools.partial(_resolve_secret, env=env)),
+        Field(validate_default=True, json_schema_extra={**SECRET_MARK, "env": env}),
+    ]
 
 
 def is_secret(field: FieldInfo) -> bool:

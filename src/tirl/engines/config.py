@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tirl.config import Secret
+from tirl.config import ENGINE_API_KEY_ENV, secret_or_env
+
+ApiKey = secret_or_env(ENGINE_API_KEY_ENV)
 
 
 class RemoteServers(BaseModel):
@@ -17,7 +19,7 @@ class RemoteServers(BaseModel):
     urls: list[str] = Field(default_factory=list)  # e.g. ["http://10.0.0.5:8000"]
     api: Literal["vllm", "sglang"] = "vllm"  # which server speaks at the URLs
     served_model: str = ""  # the name the server serves the model under ("": ask its /v1/models)
-    api_key: Secret = None  # sent as a Bearer token (else $TIRL_ENGINE_API_KEY); env:NAME, file:PATH
+    api_key: ApiKey = None  # sent as a Bearer token; env:NAME, file:PATH; null: $TIRL_ENGINE_API_KEY
     weights_dir: str = ""  # storage both sides see: load_weights writes there, the servers reload it
     start_timeout_s: float = Field(600.0, gt=0)  # wait this long for every server to answer /health
     request_timeout_s: float = Field(3600.0, gt=0)  # one turn's generation

@@ -396,7 +396,7 @@ API_KINDS: dict[str, type] = {"vllm": VLLMServerAPI, "sglang": SGLangServerAPI}
 
 
 def _headers(servers: RemoteServers) -> dict[str, str]:
-    key = servers.api_key or os.environ.get("TIRL_ENGINE_API_KEY")
+    key = servers.api_key  # null in the config: $TIRL_ENGINE_API_KEY (tirl.config.secret_or_env)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

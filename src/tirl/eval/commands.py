@@ -55,13 +55,13 @@ def eval_cluster(backend: str, address: str | None, gpus_per_engine: float) -> C
 
 
 def sandbox_config(endpoints: list[str]):
-    """Remote when endpoints are given (bearer token from $TIRL_SANDBOX_TOKEN), else a local service
-    started for this run."""
+    """Remote when endpoints are given (bearer token from $TIRL_SANDBOX_TOKEN, as sandbox.token left
+    null is everywhere), else a local service started for this run."""
     from tirl.sandbox import SandboxConfig
 
     if not endpoints:
         return SandboxConfig(mode="local")
-    return SandboxConfig(mode="remote", endpoints=list(endpoints), token=os.environ.get("TIRL_SANDBOX_TOKEN"))
+    return SandboxConfig(mode="remote", endpoints=list(endpoints))
 
 
 def write_partial(out: str | Path, trajectories: list) -> Path:

@@ -25,11 +25,13 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from tirl import lifetime
-from tirl.config import Secret
+from tirl.config import SANDBOX_TOKEN_ENV, secret_or_env
 from tirl.sandbox.client import SandboxClient
 from tirl.sandbox.limits import DEFAULT_LIMITS, Limits, MiB
 from tirl.sandbox.pool import Sandbox
 from tirl.sandbox.result import Executor
+
+SandboxToken = secret_or_env(SANDBOX_TOKEN_ENV)
 
 
 class SandboxConfig(BaseModel):
@@ -39,7 +41,10 @@ class SandboxConfig(BaseModel):
 
     mode: Literal["local", "remote", "inprocess"] = "local"
     endpoints: list[str] = Field(default_factory=list, description="service URLs (mode=remote)")
-    token: Secret = Field(None, description="bearer token of the remote services (env:NAME, file:PATH)")
+    token: SandboxToken = Field(
+        None,
+        description="bearer token of the remote services (env:NAME, file:PATH; null: $TIRL_SANDBOX_TOKEN)",
+    )
     slots: int | None = Field(None, ge=1, description="parallel executions (default: CPU cores)")
     timeout_s: float = Field(DEFAULT_LIMITS.timeout_s, gt=0, description="default wall-time limit per call")
     memory_mb: int = Field(DEFAULT_LIMITS.memory_mb, ge=32)
@@ -131,7 +136,7 @@ async def _local_service(cfg: SandboxConfig) -> AsyncIterator[SandboxClient]:
     argv = serve_command(cfg, "127.0.0.1", port)
     # The token never shows in `ps`; the service dies with this process even when it is killed
     # (tirl.lifetime), whether or not it is a tirl command (a script, a benchmark, a test).
-    env = {**os.environ, "TIRL_SANDBOX_TOKEN": token, lifetime.ENV: str(os.getpid())}
+    env = {**os.environ, SANDBOX_TOKEN_ENV: token, lifetime.ENV: str(os.getpid())}
     # Its own process group: Ctrl-C in the terminal (e.g. stopping one `tirl chat` answer) reaches the
     # parent, which stops the service in order, not the service itself. It dies with its parent
     # (tirl.lifetime).
