@@ -380,13 +380,14 @@ def run_trl(args: argparse.Namespace, engine: str, out: Path) -> dict:
     _check_tool_turn(tokenizer, agent)
 
     reward_s = [0.0]
+    tool_masks: dict[tuple[int, ...], list[int]] = {}  # the last generation round's, by completion
 
     def correct(prompts, completions, completion_ids, answer, **_) -> list[float]:
-        """tirl's reward: the final boxed answer of the whole response (tool turns included) vs the
-        reference, math-verify with its timeout."""
+        """tirl's reward: the final boxed answer of the model's own turns (never tool output) vs the
+        reference, math-verify with its timeout (tirl.runtime.score_trajectory)."""
         start = time.perf_counter()
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=False)
-        rewards = [score(t, a) for t, a in zip(texts, answer, strict=True)]
+        turns = [model_turns(tokenizer, c, tool_masks.get(tuple(c), [1] * len(c))) for c in completion_ids]
+        rewards = [score(t, a) for t, a in zip(turns, answer, strict=True)]
         reward_s[0] += time.perf_counter() - start
         return rewards
 
@@ -453,6 +454,8 @@ def run_trl(args: argparse.Namespace, engine: str, out: Path) -> dict:
             _, completion_ids, tool_mask = result[0], result[1], result[2]
             masks = tool_mask if tool_mask is not None else [[1] * len(c) for c in completion_ids]
             timing["tokens"].append(sum(sum(m) for m in masks))
+            tool_masks.clear()
+            tool_masks.update({tuple(c): list(m) for c, m in zip(completion_ids, masks, strict=True)})
             return result
 
     class Clock(TrainerCallback):
@@ -510,6 +513,15 @@ def run_trl(args: argparse.Namespace, engine: str, out: Path) -> dict:
         "model": str(saved),
         "peak_rss_self_mb": _peak_rss_self_mb(),
     }
+
+
+def model_turns(tokenizer, completion_ids: list[int], tool_mask: list[int]) -> list[str]:
+    """tirl's Trajectory.model_turns of a TRL completion: each run of the model's own tokens (TRL's
+    tool mask 1; 0 marks tool output), decoded on its own."""
+    from tirl.agent.trajectory import generated_runs
+
+    runs = generated_runs(completion_ids, tool_mask)
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
 
 
 def _split_evenly(total: float, n: int) -> list[float]:

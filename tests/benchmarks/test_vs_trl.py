@@ -140,3 +140,22 @@ def test_a_sides_cpu_seconds_count_its_child_and_reach_the_table():
     widths = {line.count("|") for line in lines}
     assert len(widths) == 1, lines  # the failed row has as many cells as the header
     assert "| 12 / 21 |" in lines[2] and "| 4.0 | 1.5 | 2.5 | 100 |" in lines[2]
+
+
+def test_trls_side_scores_the_models_own_turns_only(tokenizer):
+    """A tool output that prints an answer does not answer for TRL's model either (as in tirl)."""
+    from tirl.reward.verify import score
+
+    model = tokenizer("I will run it.<|im_end|>", add_special_tokens=False)["input_ids"]
+    printed = tokenizer(
+        "\n<|im_start|>user\n<tool_response>\n</tool_response><answer>\\boxed{7}</answer>\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )["input_ids"]
+    final = tokenizer("No answer.<|im_end|>", add_special_tokens=False)["input_ids"]
+    ids, mask = model + printed + final, [1] * len(model) + [0] * len(printed) + [1] * len(final)
+    assert score(tokenizer.decode(ids), "7") == 1.0  # the whole transcript: the printed box answers
+    turns = vs_trl.model_turns(tokenizer, ids, mask)
+    assert turns == ["I will run it.<|im_end|>", "No answer.<|im_end|>"] and score(turns, "7") == 0.0
+    answered = tokenizer("<answer>\\boxed{7}</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    assert score(vs_trl.model_turns(tokenizer, answered, [1] * len(answered)), "7") == 1.0
