@@ -35,7 +35,7 @@ def test_a_yaml_file_reads_off_as_the_string_off(tmp_path):
     [
         (
             "algorithm.roc=of",
-            r"algorithm\.roc: Input should be 'sample', 'sample_finite', 'topk' or 'off' \(got 'of'\)",
+            r"algorithm\.roc: Input should be 'sample', 'topk' or 'off' \(got 'of'\)",
         ),
         ("optim.lr=", r"override 'optim.lr=' has no value"),
         ("optim.lr=fast", r"optim\.lr: .*\(got 'fast'\)"),

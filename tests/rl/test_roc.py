@@ -15,7 +15,6 @@ from tirl.rl.roc import (
     _sample_without_replacement,
     is_positive,
     penalties,
-    positive_weights,
     resample_on_correct,
     split_slots,
 )
@@ -87,7 +86,7 @@ def _group(rng, n=32, p_pos=0.4):
     ]
 
 
-@pytest.mark.parametrize("mode", ["sample", "sample_finite", "topk"])
+@pytest.mark.parametrize("mode", ["sample", "topk"])
 def test_kept_counts_total_g(mode):
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -100,43 +99,38 @@ def test_kept_counts_total_g(mode):
         assert sum(g[i].reward > 0.5 for i in kept) == split_slots(n_pos, 32 - n_pos, 16)[0]
 
 
-def test_finite_mode_first_pick_frequencies_follow_inverse_p_total():
-    """sample_finite, one positive slot: P(pick i) = (1/p_i) / sum_j 1/p_j, the perfect one's p_total
-    floored; chi-square over many draws."""
-    pos = [M(1, 4, 0, 1, 2), M(1, 4, 1, 1, 2), M(1, 4, 2, 1, 2), M(1, 0, 0, 1, 2), M(1, 2, 0, 0, 2)]
-    # p_total:      0 (perfect)    0.25           0.5            0.5 (no tools)  1.0 (no answer)
-    group = [*pos, *[M(0) for _ in range(5)]]  # 5 + 5 members, keep 2: one slot per class
+def test_without_a_perfect_positive_first_pick_frequencies_follow_inverse_p_total():
+    """sample, one positive slot and no perfect positive: P(pick i) = (1/p_i) / sum_j 1/p_j;
+    chi-square over many draws."""
+    pos = [M(1, 4, 1, 1, 2), M(1, 4, 2, 1, 2), M(1, 0, 0, 1, 2), M(1, 2, 0, 0, 2)]
+    # p_total:      0.25           0.5            0.5 (no tools)  1.0 (no answer)
+    group = [*pos, *[M(0) for _ in range(4)]]  # 4 + 4 members, keep 2: one slot per class
     rng = np.random.default_rng(1)
     draws = 10000
     counts = np.zeros(len(pos))
     for _ in range(draws):
-        kept = resample_on_correct(group, 2, rng, mode="sample_finite")
+        kept = resample_on_correct(group, 2, rng, mode="sample")
         (p,) = [i for i in kept if i < len(pos)]
         counts[p] += 1
-    w = positive_weights([penalties(m).p_total for m in pos])
-    assert w[0] == w.max() and np.isfinite(w).all()  # the perfect one is the most likely, and finite
+    w = 1 / np.array([penalties(m).p_total for m in pos])
     expected = w / w.sum() * draws
     assert chisquare(counts, expected).pvalue > 1e-3
 
 
 def test_perfect_positives_fill_the_slots_first_uniformly():
     """sample (the limit of 1/p_total): with at least k perfect positives, only perfect ones are kept,
-    each k-subset of them equally likely; sample_finite still keeps an imperfect one now and then."""
+    each k-subset of them equally likely."""
     perfect = [M(1, 2, 0, 1, 2) for _ in range(4)]  # p_total 0
     imperfect = [M(1, 4, 1, 1, 2) for _ in range(4)]  # p_total 0.25
     group = [*perfect, *imperfect, *[M(0) for _ in range(8)]]  # keep 4: 2 positive slots
     rng = np.random.default_rng(5)
     subsets: dict[tuple, int] = {}
-    finite_imperfect = 0
     for _ in range(6000):
         kept = tuple(i for i in resample_on_correct(group, 4, rng) if i < 8)
         assert len(kept) == 2 and all(i < 4 for i in kept)  # never an imperfect one
         subsets[kept] = subsets.get(kept, 0) + 1
-        finite = resample_on_correct(group, 4, rng, mode="sample_finite")
-        finite_imperfect += any(4 <= i < 8 for i in finite)
     assert sorted(subsets) == list(itertools.combinations(range(4), 2))
     assert chisquare(list(subsets.values()), np.full(6, 1000)).pvalue > 1e-3  # uniform: 1/6 each
-    assert finite_imperfect > 0  # the finite weight's leak the limit reading removes
 
 
 def test_slots_left_by_perfect_positives_follow_inverse_p_total():
@@ -158,7 +152,7 @@ def test_slots_left_by_perfect_positives_follow_inverse_p_total():
 def test_two_positive_slots_match_sequential_sampling_without_replacement():
     """Inclusion probabilities for k=2 against exact enumeration of ordered draws."""
     pos = [M(1, 4, 1, 1, 2), M(1, 4, 2, 1, 2), M(1, 2, 0, 0, 2), M(1, 4, 3, 2, 2)]
-    w = positive_weights([penalties(m).p_total for m in pos])
+    w = 1 / np.array([penalties(m).p_total for m in pos])
     exact = np.zeros(len(pos))
     for a, b in itertools.permutations(range(len(pos)), 2):
         exact[a] += w[a] / w.sum() * w[b] / (w.sum() - w[a])
@@ -206,20 +200,11 @@ def test_edge_cases():
     assert len(resample_on_correct(no_tools, 2, rng)) == 2
     perfect = [M(1, 1, 0, 1, 1) for _ in range(4)]  # p_total = 0 for all
     assert len(resample_on_correct(perfect, 2, rng)) == 2
-    assert len(resample_on_correct(perfect, 2, rng, mode="sample_finite")) == 2
     empty = [M(0, 0, 0, 0, 0) for _ in range(4)]  # empty responses: no turns, no answer
     assert len(resample_on_correct(empty, 2, rng)) == 2
     assert resample_on_correct([M(1), M(0), M(1)], 2, rng, mode="off") == [0, 1]
     with pytest.raises(ValueError, match="keep"):
         resample_on_correct(all_wrong, 0, rng)
-
-
-def test_positive_weights_floor_a_perfect_trajectory_at_half_the_best_imperfect_one():
-    # the best imperfect p_total is 0.01: the perfect one counts as 0.005, weight 1 / 0.005
-    assert positive_weights([0.0, 0.01, 0.5]).tolist() == pytest.approx([200.0, 100.0, 2.0])
-    # imperfect ones far from 0: the floor is perfect_p
-    assert positive_weights([0.0, 0.5, 1.5], perfect_p=0.1).tolist() == pytest.approx([10.0, 2.0, 1 / 1.5])
-    assert positive_weights([0.0, 0.0]).tolist() == pytest.approx([100.0, 100.0])  # all perfect: equal
 
 
 @pytest.mark.parametrize("bad", [-1.0, 0.0, math.inf, math.nan])
@@ -250,15 +235,12 @@ def test_split_slots_corners(args, expected):
     assert split_slots(*args) == expected
 
 
-def test_options_reach_the_penalties_and_weights():
+def test_options_reach_the_penalties_and_an_unknown_mode_is_refused():
     rng = np.random.default_rng(0)
     assert penalties(M(1, 1, 0, 2, 1)).p_format == 1.0  # 2 answer blocks in 1 turn: (2 - 1) / 1
     no_tool, erring = M(1, 0, 0, 1, 2), M(1, 4, 1, 1, 2)  # p_total: no_tool_p_err vs 0.25
     assert resample_on_correct([no_tool, erring, M(0)], 1, rng, mode="topk") == [1]
     assert resample_on_correct([no_tool, erring, M(0)], 1, rng, mode="topk", no_tool_p_err=0.1) == [0]
-    # perfect_p sets a perfect trajectory's weight: 1 / 0.25 vs 1 / 0.5 picks it ~2/3 of the time
     group = [M(1, 1, 0, 1, 2), M(1, 2, 1, 1, 2)]  # p_total 0 and 0.5
-    picks = [resample_on_correct(group, 1, rng, mode="sample_finite", perfect_p=0.25) for _ in range(600)]
-    assert 330 < picks.count([0]) < 470  # the default perfect_p (0.01) would give ~588
-    with pytest.raises(ValueError, match="unknown RoC mode 'best'"):
+    with pytest.raises(ValueError, match="unknown RoC mode 'best': use sample, topk or off"):
         resample_on_correct(group, 1, rng, mode="best")

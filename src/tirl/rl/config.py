@@ -49,7 +49,7 @@ class AlgorithmConfig(_Strict):
     prompts_per_step: int = Field(512, ge=1)
     group_size: int = Field(16, ge=1)  # G: rollouts trained on per prompt
     oversample: int = Field(2, ge=1)  # RoC draws oversample*G rollouts and keeps G (1 rollout set when off)
-    roc: Literal["sample", "sample_finite", "topk", "off"] = "sample"  # see tirl.rl.roc; off = plain GRPO
+    roc: Literal["sample", "topk", "off"] = "sample"  # see tirl.rl.roc; off = plain GRPO
     roc_min_per_class: int = Field(0, ge=0)  # the release keeps >= 2 of each class
     drop_uniform_groups: bool = False  # drop groups whose rewards are all equal before RoC
     no_tool_p_err: float = 0.5  # p_err of a trajectory without tool calls

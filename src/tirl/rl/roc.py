@@ -12,11 +12,8 @@ so correct trajectories with clean tool use and a single answer are the ones tra
 A perfect positive (p_total = 0: tool calls without an error, exactly one answer; the most common
 good trajectory) has weight 1/0 = infinity. mode "sample" takes that limit literally: perfect
 positives fill the positive slots first, uniformly among themselves, and only the slots left are
-drawn from the imperfect ones by 1/p_total. mode "sample_finite" (tirl's earlier reading) gives a
-perfect positive a large but finite weight (its p_total counts as min(perfect_p, half the smallest
-non-zero p_total of its group)), so an imperfect positive is still drawn over a perfect one now and
-then (~5% of draws when perfect ones are plentiful). The paper does not say which it means; its
-release replaces the sampling with a deterministic top-k ("topk" here).
+drawn from the imperfect ones by 1/p_total. The paper's release replaces the sampling with a
+deterministic top-k ("topk" here).
 
 How the G slots split (the paper keeps floor(n_neg/2) negatives and "half" the positives of 2G):
 negatives get floor(n_neg * keep / n) slots and positives take the rest, i.e. ceil(n_pos/2) for
@@ -34,7 +31,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-RocMode = Literal["sample", "sample_finite", "topk", "off"]
+RocMode = Literal["sample", "topk", "off"]
 
 
 class RocMember(Protocol):
@@ -70,15 +67,6 @@ def is_positive(member: RocMember) -> bool:
     return member.reward > 0.5
 
 
-def positive_weights(p_totals: Sequence[float], perfect_p: float = 1e-2) -> np.ndarray:
-    """Sampling weights 1/p_total. A perfect trajectory (p_total = 0) gets a finite weight that is
-    the highest of its group: its p_total counts as min(perfect_p, half the smallest non-zero one)."""
-    p = np.asarray(p_totals, dtype=float)
-    nonzero = p[p > 0]
-    floor = min(perfect_p, nonzero.min() / 2) if nonzero.size else perfect_p
-    return 1.0 / np.maximum(p, floor)
-
-
 def split_slots(n_pos: int, n_neg: int, keep: int, min_per_class: int = 0) -> tuple[int, int]:
     """(positive slots, negative slots) summing to min(keep, n_pos + n_neg); see the module doc."""
     n = n_pos + n_neg
@@ -104,12 +92,11 @@ def resample_on_correct(
     min_per_class: int = 0,
     drop_uniform: bool = False,
     no_tool_p_err: float = 0.5,
-    perfect_p: float = 1e-2,
 ) -> list[int]:
     """Indices (ascending) of the members of `group` to train on.
 
     mode: "sample" = the paper (1/p_total sampling of positives, perfect ones first: see the module doc);
-    "sample_finite" = the same with a finite weight for perfect ones; "topk" = the release's deterministic
+    "topk" = the release's deterministic
     variant (the `k` positives with the lowest p_total, ties by position); "off" = plain GRPO (the first
     `keep` members). drop_uniform: return [] for a group whose rewards are all equal (no signal).
     """
@@ -132,10 +119,8 @@ def resample_on_correct(
         kept_pos = [pos[j] for j in order[:k_pos]]
     elif mode == "sample":
         kept_pos = _perfect_first(pos, p_totals, k_pos, rng)
-    elif mode == "sample_finite":
-        kept_pos = _sample_without_replacement(pos, positive_weights(p_totals, perfect_p), k_pos, rng)
     else:
-        raise ValueError(f"unknown RoC mode {mode!r}: use sample, sample_finite, topk or off")
+        raise ValueError(f"unknown RoC mode {mode!r}: use sample, topk or off")
     return sorted(int(i) for i in kept_pos + kept_neg)
 
 
