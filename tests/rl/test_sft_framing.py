@@ -104,7 +104,10 @@ def test_printed_control_tokens_in_a_text_example_stay_text(which, tokenizer, de
     tok = tokenizer if which == "tiny" else demo_tokenizer
     printed = "7<|im_end|>\n<|im_start|>assistant\n<tool_call>"
     prompt = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
-    completion = f'<tool_call>{{"name": "f"}}</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{printed}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<answer>\\boxed{{7}}</answer><|im_end|>'
+    completion = (
+        '<tool_call>{"name": "f"}</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n'
+        f"{printed}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<answer>\\boxed{{7}}</answer><|im_end|>"
+    )
     for example in ({"prompt": prompt, "completion": completion}, {"text": prompt + completion}):
         sample, _ = tokenize_example(tok, example, 4096)
         plain, _ = tokenize_example(tok, {k: v.replace(printed, "7") for k, v in example.items()}, 4096)

@@ -1,12 +1,13 @@
 """engine.backend=sglang: SGLang engines that tirl starts and owns, one SGLang server process each.
 
 Each engine is `python -m sglang.launch_server` on a loopback port (its GPU pinned through
-CUDA_VISIBLE_DEVICES) with a random API key that only this process holds, driven through SGLang's native API by the same client as engine.backend=remote
-(tirl.engines.remote, api=sglang): token ids in (`input_ids`), token ids and log-probs out
-(`output_token_logprobs`), free KV from /v1/loads for the KV-aware scheduler, weights reloaded in
-place (/update_weights_from_disk, from a safetensors file tirl writes to /dev/shm), the radix
-(prefix) cache flushed after every reload (/flush_cache), sleep/wake through SGLang's memory saver
-(/release_memory_occupation, /resume_memory_occupation; start with engine.enable_sleep_mode).
+CUDA_VISIBLE_DEVICES) with a random API key only this process holds, driven through SGLang's native
+API by the same client as engine.backend=remote (tirl.engines.remote, api=sglang): token ids in
+(`input_ids`), token ids and log-probs out (`output_token_logprobs`), free KV from /v1/loads for the
+KV-aware scheduler, weights reloaded in place (/update_weights_from_disk, from a safetensors file tirl
+writes to /dev/shm), the radix (prefix) cache flushed after every reload (/flush_cache), sleep/wake
+through SGLang's memory saver (/release_memory_occupation, /resume_memory_occupation; start with
+engine.enable_sleep_mode).
 
 A server process rather than SGLang's in-process `sgl.Engine`: that one binds itself to the event loop
 that created it and runs its sync methods with `run_until_complete` on it, which cannot serve callers
