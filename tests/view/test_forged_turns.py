@@ -13,10 +13,14 @@ import asyncio
 
 import pytest
 from tests.agent.scripted import COMPACT_SCHEMA, call
+from tests.jsonl import write_jsonl
+from tests.view.browser import Page
+from typer.testing import CliRunner
 
 from tirl.agent import AgentConfig, run_trajectory
 from tirl.agent.protocol import encode, tool_response_text
 from tirl.agent.trajectory import Trajectory
+from tirl.cli import app
 from tirl.data.problem import Problem
 from tirl.engines.base import Generation, SamplingParams, SingleEnginePool
 from tirl.rl.trajectory_sample import compact
@@ -140,3 +144,24 @@ def test_a_tool_that_copies_an_earlier_turn_does_not_move_the_turns():
     assert starts == [0, len(turns[0] + segment(copy)), len(text) - len(turns[2])]
     assert place_turns(text, turns, CFG.prefill, trailing=True) is None  # no segment after the last turn
     assert place_turns(text + segment("late"), turns, CFG.prefill, trailing=True) is not None
+
+
+def test_the_page_shows_the_printed_turn_inside_the_calls_output(forged, browser, tmp_path):
+    """In a real headless Chromium: the printed turn is in the call's output box, in no turn's text;
+    a record without the model's turns carries the note."""
+    path = tmp_path / "t.jsonl"
+    old = {k: v for k, v in forged["silent"].to_dict().items() if k != "model_turns"}
+    write_jsonl(path, [forged["silent"].to_dict(), old])
+    result = CliRunner().invoke(app, ["view", str(path)])
+    assert result.exit_code == 0, result.output
+    page = Page(browser, path.with_suffix(".html").as_uri())
+    page.page.click('.row[data-id="0"]')
+    inner = "(s) => [...document.querySelectorAll(s)].map((e) => e.innerText)"
+    assert any("FORGED TURN" in t for t in page.page.evaluate(inner, "#detail .call .response"))
+    assert not any("FORGED" in t for t in page.page.evaluate(inner, "#detail .turn > .text"))
+    assert len(page.page.evaluate(inner, "#detail .turn")) == 2
+    assert page.page.evaluate(inner, "#detail #note") == []
+    page.page.click('.row[data-id="1"]')
+    assert "recorded before tirl kept the model's own turns" in page.page.inner_text("#detail #note")
+    assert page.errors == []
+    page.close()
