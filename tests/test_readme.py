@@ -172,12 +172,12 @@ NOT_RUN: dict[str, str] = {
     "are tests/rl (async producer, k=0 bit for bit, resume) and benchmarks/async_demo.py",
     "tirl demo --out runs/demo": "the same run as `make demo` above (its default --out), already made",
     "tirl plan --config src/tirl/configs/rstar2/train.yaml --arch qwen3-14b --gpus 64": "the 14B plans "
-    "take minutes each on 2 cores: the 8-GPU one runs on the tiny model; tests/rl/test_plan.py plans 1, 8 "
-    "and 64 GPUs through the CLI",
+    "take minutes each on 2 cores: the 8-GPU one runs on the tiny model; tests/rl/test_plan.py and "
+    "test_plan_shapes.py run `tirl plan` through the CLI (1 GPU and more, LoRA, 14B-wide layers)",
     "tirl plan --config src/tirl/configs/rstar2/train.yaml --arch qwen3-14b --gpus 1": "as the 64-GPU plan",
     "tirl plan --config src/tirl/configs/rstar2/sft.yaml --arch qwen3-14b": "as the 64-GPU plan",
     "tirl plan --config src/tirl/configs/rstar2/train.yaml --arch qwen3-14b --gpus 8 --largest": "plans one "
-    "14B candidate after another (minutes each here); tests/rl/test_plan.py runs --largest",
+    "14B candidate after another (minutes each here); tests/rl/test_plan_shapes.py runs --largest",
     "tirl demo --compare grpo --seeds 5": "two hours on 2 cores (10 RL runs); --compare and --seeds are run by "
     "tests/demo/test_demo.py, the trace mix (TraceMix) by tests/demo/test_sft_traces.py",
 }
