@@ -40,6 +40,7 @@ from tirl.rl.config import AlgorithmConfig, OptimConfig
 from tirl.rl.local_learner import LocalLearner
 from tirl.rl.policy import Policy
 from tirl.rl.trainer import build_samples, roc_select
+from tirl.runtime.base import load_sources
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,6 +194,9 @@ class EngineAsRuntime:
 
     def load_weights(self, weights) -> None:
         self.engine.load_weights(list(weights))
+
+    def load_sources(self, sources, device) -> dict[str, float]:
+        return load_sources([self.engine], sources, device)
 
 
 if __name__ == "__main__":

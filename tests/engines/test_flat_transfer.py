@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from tirl.engines.vllm import ALIGN, check_space, flat_plan, pack_flat, unpack_flat
+from tirl.engines.handoff import ALIGN, check_space, pack_flat, unpack_flat
+from tirl.engines.vllm import flat_plan
 
 
 def test_pack_casts_to_the_engine_dtype_and_unpack_gives_aligned_views():

@@ -140,11 +140,8 @@ async def test_a_merged_layer_split_over_reload_calls_is_corrupted(engine, promp
     """The bug a per-bucket reload had, reproduced with vLLM's own reload: gate_proj alone in one
     call leaves gate_up_proj's other half uninitialised. Every tirl sync is one call for that reason."""
     model = _perturbed(tiny_model_dir, seed=1)
-    from tirl.engines.vllm import flat_plan
-
     gate = [("model.layers.0.mlp.gate_proj.weight", model.model.layers[0].mlp.gate_proj.weight)]
-    plan, nbytes = flat_plan(gate, engine.dtype)
-    await asyncio.to_thread(engine._load_shm, gate, plan, nbytes)  # one reload call with half a layer
+    await asyncio.to_thread(engine.load_weights, gate)  # one reload call with half a layer
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
     broken = await engine.generate(prompt, params)
     engine.load_weights(model.named_parameters())  # the whole model in one call repairs it
@@ -188,12 +185,12 @@ async def test_sync_group_in_the_worker_with_every_tensor_in_its_own_bucket(engi
 async def test_flat_transfer_needs_room_and_says_so(engine, tiny_model_dir, monkeypatch, tmp_path):
     import shutil
 
-    from tirl.engines import vllm
+    from tirl.engines import handoff
 
     model = _perturbed(tiny_model_dir, seed=4)
     monkeypatch.setenv("TIRL_WEIGHTS_DIR", str(tmp_path))
     full = shutil.disk_usage(tmp_path)._replace(free=1000)
-    monkeypatch.setattr(vllm.shutil, "disk_usage", lambda _: full)
+    monkeypatch.setattr(handoff.shutil, "disk_usage", lambda _: full)
     with pytest.raises(OSError, match=r"GiB in .* are free.*TIRL_WEIGHTS_DIR"):
         engine.load_weights(model.named_parameters())
 

@@ -87,6 +87,19 @@ class GroupReceiver(Protocol):
     def leave_sync_group(self) -> None: ...
 
 
+@runtime_checkable
+class FlatLoader(Protocol):
+    """An engine whose worker opens one packed sync without a copy (vLLM in this process tree,
+    tirl.engines.handoff): a sync is packed once, in `dtype`, for every such engine; `near` says whether
+    a buffer on that device is on the engine's own GPU (CUDA IPC) rather than a shared file's job."""
+
+    dtype: torch.dtype
+
+    def near(self, device: torch.device) -> bool: ...
+
+    def load_flat(self, handoff: Any) -> None: ...
+
+
 class EnginePool(Protocol):
     """Hands out an engine for one trajectory; all its turns stay on that engine (prefix-cache reuse).
 

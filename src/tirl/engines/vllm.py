@@ -24,8 +24,6 @@ import itertools
 import logging
 import os
 import pickle
-import shutil
-import tempfile
 import threading
 from collections.abc import Coroutine, Iterable, Iterator
 from contextlib import contextmanager
@@ -33,9 +31,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from tirl.devices import resolve_dtype, wire_dtype
-from tirl.engines.base import Generation, GroupReceiver, KVCapacity, SamplingParams, StagedWake
+from tirl.devices import resolve_dtype
+from tirl.engines.base import FlatLoader, Generation, GroupReceiver, KVCapacity, SamplingParams, StagedWake
 from tirl.engines.config import EngineConfig
+from tirl.engines.handoff import (
+    FlatEntry,
+    FlatHandoff,
+    flat_handoff,
+    flat_layout,
+    pack_flat,
+    unpack_flat,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,50 +67,9 @@ def require_vllm() -> None:
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
 
 
-# One tensor of a flat transfer buffer: (name, shape, dtype name, byte offset), plain values that
-# vLLM's RPC encoder carries without pickling.
-FlatEntry = tuple[str, list[int], str, int]
-ALIGN = 64  # bytes: a dtype view of the buffer must start at a multiple of its element size
-
-
 def flat_plan(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[list[FlatEntry], int]:
     """Where each tensor goes in one flat byte buffer, floating ones in the engine's `dtype`."""
-    plan, offset = [], 0
-    for name, t in tensors:
-        wire = dtype if t.dtype.is_floating_point else t.dtype
-        plan.append((name, list(t.shape), str(wire).removeprefix("torch."), offset))
-        offset += -(-t.numel() * wire.itemsize // ALIGN) * ALIGN  # every view starts aligned
-    return plan, offset
-
-
-def pack_flat(tensors: list[tuple[str, torch.Tensor]], plan: list[FlatEntry], buf: torch.Tensor) -> None:
-    """Each tensor cast into its slot of `buf` (uint8): the one copy the trainer side makes."""
-    for (_, t), (_, shape, dtype, offset) in zip(tensors, plan, strict=True):
-        n = t.numel() * wire_dtype(dtype).itemsize
-        buf[offset : offset + n].view(wire_dtype(dtype)).view(shape).copy_(t.detach())
-
-
-def unpack_flat(buf: torch.Tensor, plan: list[FlatEntry]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views into `buf`, no copy."""
-    for name, shape, dtype, offset in plan:
-        n = max(1, int(torch.Size(shape).numel())) * wire_dtype(dtype).itemsize
-        yield name, buf[offset : offset + n].view(wire_dtype(dtype)).view(shape)
-
-
-def check_space(directory: str, nbytes: int) -> None:
-    """Fail before writing a transfer file that cannot fit (tmpfs fills silently, then SIGBUS)."""
-    free = shutil.disk_usage(directory).free
-    if free < nbytes:
-        raise OSError(
-            f"weight sync needs {nbytes / 2**30:.2f} GiB in {directory} for the transfer buffer but only "
-            f"{free / 2**30:.2f} GiB are free: enlarge it (docker run --shm-size, or mount -o remount,"
-            f"size=... {directory}) or set TIRL_WEIGHTS_DIR to a directory with room"
-        )
-
-
-def _transfer_dir() -> str:
-    shm = "/dev/shm"
-    return os.environ.get("TIRL_WEIGHTS_DIR") or (shm if os.path.isdir(shm) else tempfile.gettempdir())
+    return flat_layout(((name, tuple(t.shape), t.dtype) for name, t in tensors), dtype)
 
 
 RELOAD_LOGGERS = ("layerwise", "inplace")  # vLLM's in-place reload modules that warn on a partial sync
@@ -151,12 +116,13 @@ class WeightSyncExtension:
         buf = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
         return self.tirl_reload(unpack_flat(buf, plan))
 
-    def tirl_load_ipc(self, handle: bytes, plan: list[FlatEntry]) -> int:
-        """A flat buffer on the caller's GPU, opened here through its CUDA IPC handle: no copy
-        besides the one into the parameters."""
+    def tirl_load_ipc(self, handle: bytes, plan: list[FlatEntry], device_index: int) -> int:
+        """A flat buffer on one of this engine's GPUs, opened here through its CUDA IPC handle: no copy
+        besides the one into the parameters. `device_index`: that GPU in this worker's numbering (the
+        caller's index names another GPU here, where CUDA_VISIBLE_DEVICES pins the engine's own)."""
         rebuild, args = pickle.loads(handle)
         args = list(args)
-        args[6] = torch.cuda.current_device()  # the caller's device index means another GPU here
+        args[6] = device_index
         return self.tirl_reload(unpack_flat(rebuild(*args), plan))
 
 
@@ -252,9 +218,9 @@ def engine_args(cfg: EngineConfig, on_cpu: bool, sleep: bool, worker_extension: 
     )
 
 
-class VLLMEngine(StagedWake, GroupReceiver):
+class VLLMEngine(StagedWake, GroupReceiver, FlatLoader):
     """Engine protocol (tirl.engines.base) on vLLM: prefix caching, stop ids/strings, seeded sampling;
-    sleeps in two stages and receives a sync group's buckets inside its worker."""
+    sleeps in two stages, receives a sync group's buckets inside its worker, opens a packed sync."""
 
     def __init__(self, cfg: EngineConfig, name: str = "vllm0", worker_extension: str | None = None):
         """`worker_extension`: a WeightSyncExtension subclass's qualified name (e.g. the Ray runtime's,
@@ -377,38 +343,49 @@ class VLLMEngine(StagedWake, GroupReceiver):
         )
 
     # --- weight sync ------------------------------------------------------------------------------
+    @property
+    def gpus(self) -> list[int]:
+        """The GPUs this engine's workers run on, in this process's numbering (none on CPU)."""
+        if self.on_cpu:
+            return []
+        first = int(self.cfg.device.split(":", 1)[1]) if self.cfg.device.startswith("cuda:") else 0
+        return list(range(first, first + self.cfg.tensor_parallel_size))
+
+    def near(self, device: torch.device) -> bool:
+        """Whether memory on `device` is on one of this engine's GPUs (its worker can open it by IPC)."""
+        return device.type == "cuda" and (device.index or 0) in self.gpus
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights in place (all in one reload), then drop prefix-cache entries
-        computed with the old ones. One flat buffer in the engine's dtype crosses into the worker."""
+        computed with the old ones. One flat buffer in the engine's dtype crosses into the worker: on
+        the tensors' GPU when it is this engine's, else a shared file."""
         tensors = [(name, t) for name, t in weights]
         if not tensors:
             raise ValueError("load_weights() got no tensors")
         plan, nbytes = flat_plan(tensors, self.dtype)
-        if not self.on_cpu and all(t.is_cuda for _, t in tensors):
-            self._load_ipc(tensors, plan, nbytes)
-        else:
-            self._load_shm(tensors, plan, nbytes)
+        device = tensors[0][1].device
+        on_gpu = self.near(device) and all(t.device == device for _, t in tensors)
+        with flat_handoff(plan, nbytes, device if on_gpu else torch.device("cpu")) as handoff:
+            pack_flat(tensors, plan, handoff.buf)
+            self.load_flat(handoff)
 
-    def _load_shm(self, tensors: list[tuple[str, torch.Tensor]], plan: list[FlatEntry], nbytes: int) -> None:
-        directory = _transfer_dir()
-        check_space(directory, nbytes)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix="tirl-weights-") as f:
-            # The file itself is the buffer: packed into its mapping (one copy), mapped by the worker.
-            f.truncate(nbytes)
-            buf = torch.from_file(f.name, shared=True, size=nbytes, dtype=torch.uint8)
-            pack_flat(tensors, plan, buf)
-            del buf
-            self._call(self._sync("tirl_load_flat", (f.name, nbytes, plan)))
-
-    def _load_ipc(self, tensors: list[tuple[str, torch.Tensor]], plan: list[FlatEntry], nbytes: int) -> None:
+    def load_flat(self, handoff: FlatHandoff) -> None:
+        """One packed sync (tirl.engines.handoff) into the worker without a copy: its GPU buffer by a
+        CUDA IPC handle opened on that GPU as the worker numbers it, or its shared file mapped."""
+        if handoff.path is not None:
+            self._call(self._sync("tirl_load_flat", (handoff.path, handoff.nbytes, handoff.plan)))
+            return
         from torch.multiprocessing.reductions import reduce_tensor
 
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0][1].device)
-        pack_flat(tensors, plan, buf)
-        torch.cuda.synchronize(buf.device)  # the worker reads it on another stream of another process
-        handle = pickle.dumps(reduce_tensor(buf))
-        self._call(self._sync("tirl_load_ipc", (handle, plan)))
-        del buf
+        device = handoff.buf.device
+        if not self.near(device):
+            raise ValueError(
+                f"{self.name}: a weight buffer on {device} is not on this engine's GPUs {self.gpus}"
+            )
+        torch.cuda.synchronize(device)  # the worker reads it on another stream of another process
+        handle = pickle.dumps(reduce_tensor(handoff.buf))
+        index = self.gpus.index(device.index or 0)
+        self._call(self._sync("tirl_load_ipc", (handle, handoff.plan, index)))
 
     async def _sync(self, method: str, args: tuple = ()) -> Any:
         """One RPC that loads a whole sync, then one prefix-cache reset: the engine core runs RPCs

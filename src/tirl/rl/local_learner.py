@@ -49,21 +49,19 @@ class LocalLearner:
 
     def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
         """In-process engines (runtime.transport "load"): every rank gathers each tensor (a collective
-        under FSDP), rank 0 hands them over in one load."""
+        under FSDP), rank 0 packs them once for its engines (Runtime.load_sources: one buffer in the
+        engines' dtype, on the GPU for an engine on rank 0's GPU; no fp32 copy of the model on the host)."""
         if runtime is not None and runtime.transport != "load":
             raise ValueError(
                 f"a local learner loads weights into in-process engines, not over {runtime.transport!r}"
             )
-        pairs, nbytes = [], 0
+        sources = self.sync_tensors()
         with fails_in_minutes("the weight sync's gathers", self.info):
-            for name, source in self.sync_tensors().items():
-                tensor = gathered(source).detach()
-                if runtime is not None:
-                    pairs.append((name, tensor.cpu()))
-                    nbytes += tensor.numel() * tensor.element_size()
-        if runtime is not None:
-            runtime.load_weights(pairs)
-        return {"sync/tensors": float(len(pairs)), "sync/bytes": float(nbytes)}
+            if runtime is not None:
+                return runtime.load_sources(sources, self.policy.device)
+            for source in sources.values():  # this rank's part of rank 0's gathers, in the same order
+                gathered(source)
+        return {"sync/tensors": 0.0, "sync/bytes": 0.0}
 
     def offload(self, what: str = "all") -> bool:
         """Colocated engines run in this rank's GPU memory meanwhile: the optimizer state ("optimizer",
@@ -77,6 +75,8 @@ class LocalLearner:
             _move_optimizer_state(policy.optimizer, torch.device("cpu"))
         if what in ("all", "params"):
             policy.model.to("cpu")  # FSDP2 re-points its sharded parameters on .to()
+            if policy.reference is not None:  # the KL reference goes and comes back with the policy
+                policy.reference.to("cpu")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return True
@@ -87,6 +87,8 @@ class LocalLearner:
         if policy.device.type != "cuda":
             return False
         policy.model.to(policy.device)
+        if policy.reference is not None:
+            policy.reference.to(policy.device)
         _move_optimizer_state(policy.optimizer, policy.device)
         return True
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
-from tirl.engines.base import Engine, EnginePool, StagedWake
+from tirl.distributed.weight_sync import Source, gathered
+from tirl.engines.base import Engine, EnginePool, FlatLoader, StagedWake
+from tirl.engines.handoff import flat_handoff, flat_layout, pack_flat
 from tirl.engines.scheduler import RolloutScheduler
 from tirl.sandbox.result import Executor
 
@@ -78,6 +81,12 @@ class Runtime:
         weights = list(weights)
         _concurrently([lambda e=e: e.load_weights(weights) for e in self.engines])
 
+    def load_sources(self, sources: dict[str, Source], device: torch.device) -> dict[str, float]:
+        """One sync from the trainer in this process (`sources` gathered one at a time: under FSDP a
+        collective every rank runs in this order). Engines that open a packed sync get one flat buffer
+        in their dtype (tirl.engines.handoff), packed once; others get (name, tensor) pairs."""
+        return load_sources(self.engines, sources, device)
+
     def sleep(self, discard_weights: bool = False) -> int:
         """Engines that share devices with the trainer free their memory while it trains, where their
         backend can (vLLM sleep mode with engine.enable_sleep_mode, the HF engine on a GPU), all at
@@ -113,6 +122,45 @@ class Runtime:
                     out[f"rollout/{key}/{e['engine']}"] = e[key]
             self.pool.reset_metrics()
         return out
+
+
+def load_sources(engines: list[Engine], sources: dict[str, Source], device: torch.device) -> dict[str, float]:
+    """`Runtime.load_sources` for these engines (also for a caller with engines but no runtime)."""
+    flat = [e for e in engines if isinstance(e, FlatLoader)]
+    if not flat or len(flat) < len(engines) or len({e.dtype for e in flat}) > 1:
+        pairs = [(name, gathered(source).detach().cpu()) for name, source in sources.items()]
+        _concurrently([lambda e=e: e.load_weights(pairs) for e in engines])
+        nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+        return {"sync/tensors": float(len(pairs)), "sync/bytes": float(nbytes), "sync/buffers": 0.0}
+    return _hand_off(flat, sources, device)
+
+
+def _hand_off(
+    engines: list[FlatLoader], sources: dict[str, Source], device: torch.device
+) -> dict[str, float]:
+    """The sync packed once in the engines' dtype: into `device`'s memory when an engine shares that GPU
+    (it opens the buffer by CUDA IPC, no host copy), and into one shared host file for all the others
+    (copied once from the GPU buffer, or packed there directly when no engine shares the GPU)."""
+    entries = [(name, tuple(s.shape), s.dtype) for name, s in sources.items()]
+    plan, nbytes = flat_layout(entries, engines[0].dtype)
+    near = [e for e in engines if e.near(device)]
+    far = [e for e in engines if not e.near(device)]
+    host = torch.device("cpu")
+    with ExitStack() as stack:
+        first = stack.enter_context(flat_handoff(plan, nbytes, device if near else host))
+        pack_flat(((name, gathered(source)) for name, source in sources.items()), plan, first.buf)
+        shared, buffers = first, [first]
+        if far and first.path is None:
+            shared = stack.enter_context(flat_handoff(plan, nbytes, host))
+            shared.buf.copy_(first.buf)
+            buffers.append(shared)
+        _concurrently([lambda e=e: e.load_flat(first if e in near else shared) for e in engines])
+    return {
+        "sync/tensors": float(len(plan)),
+        "sync/bytes": float(nbytes),
+        "sync/buffers": float(len(buffers)),
+        "sync/host_bytes": float(sum(b.nbytes for b in buffers if b.path is not None)),
+    }
 
 
 def _concurrently(calls: list[Callable[[], T]]) -> list[T]:
