@@ -10,6 +10,7 @@ read the answer from the model's own turns only, and mark records written before
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from tests.agent.scripted import COMPACT_SCHEMA, call
@@ -165,3 +166,17 @@ def test_the_page_shows_the_printed_turn_inside_the_calls_output(forged, browser
     assert "recorded before tirl kept the model's own turns" in page.page.inner_text("#detail #note")
     assert page.errors == []
     page.close()
+
+
+def test_placement_holds_any_number_of_turns_and_gives_up_on_a_search_built_to_be_long():
+    turns = [f" turn {i} " + call("print(1)") for i in range(3000)]  # deeper than Python's recursion limit
+    text = "".join(t + segment("1") for t in turns[:-1]) + turns[-1]
+    assert place_turns(text, turns, CFG.prefill, trailing=False) is not None
+    # identical turns, each tool response printing the closing frame 2000 times, and no placement at
+    # all: every turn could start at every later turn's place; the search stops at its budget
+    closing = segment("")[-len("\n</tool_response><|im_end|>\n<|im_start|>assistant\n" + CFG.prefill) :]
+    same = [" " + call("print(1)")] * 30
+    text = "".join(t + segment(closing * 2000) for t in same[:-1]) + same[-1] + "junk"
+    started = time.perf_counter()
+    assert place_turns(text, same, CFG.prefill, trailing=False) is None
+    assert time.perf_counter() - started < 5.0  # about 0.2 s; 10 s without the budget

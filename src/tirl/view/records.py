@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,13 +249,20 @@ def _prefill(agent: dict) -> str:
     return str(again if again is not None else agent.get("prefill", AgentConfig().prefill))
 
 
-def _is_segment(gap: str, prefill: str) -> bool:
-    head = gap.removeprefix("<|im_end|>")
+def _is_segment(text: str, start: int, stop: int, prefill: str) -> bool:
+    """text[start:stop] is one tool-response segment as the frame writes it (indices, not a copy: a
+    hostile record can make the placement try many candidates)."""
+    if text.startswith("<|im_end|>", start, stop):
+        start += len("<|im_end|>")
+    closing = _CLOSE + prefill
     return (
-        head.startswith(_HEAD)
-        and head.endswith(_CLOSE + prefill)
-        and (len(head) >= len(_HEAD) + len(_CLOSE + prefill))
+        stop - start >= len(_HEAD) + len(closing)
+        and text.startswith(_HEAD, start, stop)
+        and text.endswith(closing, start, stop)
     )
+
+
+_PLACE_TRIES = 100_000  # candidate segment ends examined per record: one per turn in a real record
 
 
 def place_turns(text: str, turns: list[str], prefill: str, trailing: bool | None) -> list[int] | None:
@@ -263,29 +271,47 @@ def place_turns(text: str, turns: list[str], prefill: str, trailing: bool | None
     no such placement exists. Every turn is placed at the earliest start that leaves a placement for the
     rest: a tool's output comes before the turns that read it, so it can hold a later turn's text only
     by predicting it, and it never moves a turn's text, which is shown from `turns` itself."""
-    failed: set[tuple[int, int]] = set()
-    closing = _CLOSE + prefill
-
-    def place(k: int, start: int) -> list[int] | None:
-        if (k, start) in failed or not text.startswith(turns[k], start):
-            return None
-        end = start + len(turns[k])
-        if k == len(turns) - 1:
-            rest = text[end:]
-            ok = (not rest and trailing is not True) or (trailing is not False and _is_segment(rest, prefill))
-            return [start] if ok else None
-        at = text.find(closing, end)
-        while at >= 0:
-            after = at + len(closing)
-            if _is_segment(text[end:after], prefill):
-                placed = place(k + 1, after)
-                if placed is not None:
-                    return [start, *placed]
-            at = text.find(closing, at + 1)
-        failed.add((k, start))
+    if not turns or not text.startswith(turns[0]):
         return None
+    failed: set[tuple[int, int]] = set()  # (turn, start) that leave no placement for the rest
+    closing = _CLOSE + prefill
+    tries = [_PLACE_TRIES]  # a record built to make the search long is shown unplaced instead
 
-    return place(0, 0) if turns else None
+    def nexts(k: int, start: int) -> Iterator[int]:
+        """Starts of turn k + 1 after turn k at `start`, earliest first."""
+        end = start + len(turns[k])
+        at = text.find(closing, end)
+        while at >= 0 and tries[0] > 0:
+            tries[0] -= 1
+            after = at + len(closing)
+            fits = (k + 1, after) not in failed and text.startswith(turns[k + 1], after)
+            if fits and _is_segment(text, end, after, prefill):
+                yield after
+            at = text.find(closing, at + 1)
+
+    def ends_well(start: int) -> bool:
+        end = start + len(turns[-1])
+        if end == len(text):
+            return trailing is not True
+        return trailing is not False and _is_segment(text, end, len(text), prefill)
+
+    starts, pending = [0], [nexts(0, 0)] if len(turns) > 1 else []
+    while starts:  # depth first, iteratively: a record may hold any number of turns
+        k = len(starts) - 1
+        if k == len(turns) - 1:
+            if ends_well(starts[-1]):
+                return starts
+            failed.add((k, starts.pop()))
+            continue
+        after = next(pending[k], None)
+        if after is None:
+            failed.add((k, starts.pop()))
+            pending.pop()
+        else:
+            starts.append(after)
+            if k + 1 < len(turns) - 1:
+                pending.append(nexts(k + 1, after))
+    return None
 
 
 def _gaps(text: str, turns: list[str], starts: list[int] | None) -> list[str | None]:
