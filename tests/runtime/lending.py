@@ -148,6 +148,7 @@ class RecordingLearner:
         self.delay, self.sharded = delay, sharded
         self.where = {"params": "cpu", "optimizer": "cpu"}
         self.saved_from: list[dict[str, str]] = []
+        self.reference_from: list[str] = []  # where the parameters were at each reference snapshot
         if resident:
             self._move("params", "cuda")
             self._move("optimizer", "cuda")
@@ -204,7 +205,10 @@ class RecordingLearner:
 
     def reset_optimizer(self, total_steps: int) -> None: ...
 
-    def snapshot_reference(self) -> None: ...
+    def snapshot_reference(self) -> None:
+        """A copy of the parameters where they are: one on the host is a reference the update's
+        (device) inputs cannot meet."""
+        self._timed("snapshot_reference", lambda: self.reference_from.append(self.where["params"]))
 
     def restore(self, saved: dict) -> None: ...
 

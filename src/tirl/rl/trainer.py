@@ -360,6 +360,13 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
     return cfg.run_dir
 
 
+def snapshot_reference(run: Run) -> None:
+    """The KL reference copied from the policy where it trains: colocated, the trainer's state is on the
+    host between steps, and a copy made there would stay there while the update's inputs are on the GPU."""
+    with run.lending.trainer_resident():
+        run.learner.snapshot_reference()
+
+
 async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) -> None:
     cfg, st, learner = run.cfg, run.state, run.learner
     stage = cfg.stages[stage_index]
@@ -373,7 +380,7 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
     sampler = EpochSampler(n, derive_seed(cfg.seed, stage_index))
     learner.reset_optimizer(stage.steps)  # a fresh optimizer and warm-up at every stage boundary
     if cfg.algorithm.kl_coef:  # (a run resumed mid-stage takes its reference from the resume point)
-        learner.snapshot_reference()
+        snapshot_reference(run)
     if saved is not None:  # resuming inside this stage: restore exactly where it stopped
         sampler.load_state_dict(saved["sampler"])
         learner.restore(saved)
