@@ -5,6 +5,7 @@ no traceback; `tirl` alone prints its help."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -26,15 +27,15 @@ def _tirl(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["train"], "error: missing option '--config' / '-c' (see `python -m tirl.cli train --help`)"),
+        (["train"], f"error: missing option '--config' / '-c' (see `{TIRL} train --help`)"),
         (
             ["trian"],
-            "error: no such command 'trian'. Did you mean 'train'? (see `python -m tirl.cli --help`)",
+            f"error: no such command 'trian'. Did you mean 'train'? (see `{TIRL} --help`)",
         ),
         (
             ["eval", "--model", "m", "--data", "d", "--samples", "0"],
             "error: invalid value for '--samples': Input should be greater than or equal to 1 "
-            "(see `python -m tirl.cli eval --help`)",
+            f"(see `{TIRL} eval --help`)",
         ),
     ],
 )
@@ -42,6 +43,29 @@ def test_usage_errors_are_one_error_line(args, line):
     done = _tirl(*args)
     assert done.returncode == 2 and done.stderr.strip() == line, done.stderr
     assert done.stdout == ""
+
+
+def test_the_console_script_names_itself_as_invoked_in_its_hints():
+    """`.venv/bin/tirl train` (tirl not on PATH) points at `.venv/bin/tirl train --help`, which runs."""
+    script = Path(sys.executable).parent / "tirl"
+    if not script.is_file():
+        pytest.skip(f"no console script beside {sys.executable} (tirl is not installed in this environment)")
+    root = Path(SRC).parent
+    invoked = os.path.relpath(script, root)  # as a user types it from the checkout
+    done = subprocess.run(
+        [invoked, "train"], cwd=root, env=tirl_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"error: missing option '--config' / '-c' (see `{invoked} train --help`)"
+    shown = subprocess.run(
+        [*shlex.split(f"{invoked} train --help")],
+        cwd=root,
+        env=tirl_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert shown.returncode == 0 and f"Usage: {invoked} train" in shown.stdout, shown.stdout[:500]
 
 
 def test_a_file_given_as_the_model_is_one_error_line():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -806,7 +807,7 @@ def main() -> None:
 
     children_die_with_me()
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name=shlex.join(tirl_command()))  # hints that run as printed
     except typer.Abort:  # Ctrl-C at a prompt
         code = 130
     except typer.TyperException as e:  # typer's (vendored click's) usage errors
