@@ -49,11 +49,19 @@ def build_pool(engines: list[Engine], cfg: EngineConfig) -> EnginePool:
 
 
 def _engine_device(cfg: EngineConfig, index: int) -> EngineConfig:
-    """Several vLLM engines on a multi-GPU node: engine i gets its own GPU instead of all sharing cuda:0."""
+    """Several vLLM engines on a multi-GPU node: engine i gets its own GPUs, [i*tp, (i+1)*tp) with
+    tensor parallelism tp (consecutive: its workers talk over the node's links), instead of all sharing
+    the first ones."""
     import torch
 
-    if cfg.device in ("auto", "cuda") and cfg.num_engines > 1 and torch.cuda.device_count() > 1:
-        return cfg.model_copy(update={"device": f"cuda:{index % torch.cuda.device_count()}"})
+    count, tp = torch.cuda.device_count(), cfg.tensor_parallel_size
+    if cfg.device in ("auto", "cuda") and cfg.num_engines > 1 and count > 1:
+        if tp > 1 and cfg.num_engines * tp > count:  # (single-GPU engines may share GPUs round-robin)
+            raise ValueError(
+                f"engine.num_engines={cfg.num_engines} x engine.tensor_parallel_size={tp} needs "
+                f"{cfg.num_engines * tp} GPUs, this node shows {count}"
+            )
+        return cfg.model_copy(update={"device": f"cuda:{(index * tp) % count}"})
     return cfg
 
 

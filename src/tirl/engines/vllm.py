@@ -158,14 +158,34 @@ class _KVStats:
         return Recorder(vllm_config, engine_index)
 
 
-@contextmanager
-def _visible_gpu(device: str) -> Iterator[None]:
-    """Pin the engine's child processes (spawned now, inheriting the environment) to cuda:N only."""
+def visible_gpus(device: str, tensor_parallel: int = 1) -> str | None:
+    """CUDA_VISIBLE_DEVICES for an engine on `device` ("cuda:N": GPUs N .. N+tensor_parallel-1, in this
+    process's numbering, which CUDA_VISIBLE_DEVICES may already narrow); None: leave it as it is."""
     if not device.startswith("cuda:"):
+        return None
+    first = int(device.split(":", 1)[1])
+    ours = range(first, first + tensor_parallel)
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited:
+        names = [d.strip() for d in inherited.split(",") if d.strip()]
+        if ours[-1] >= len(names):
+            raise ValueError(
+                f"an engine on {device} with tensor_parallel_size={tensor_parallel} needs GPUs {list(ours)}, "
+                f"but CUDA_VISIBLE_DEVICES={inherited!r} shows {len(names)}"
+            )
+        return ",".join(names[i] for i in ours)
+    return ",".join(str(i) for i in ours)
+
+
+@contextmanager
+def _visible_gpu(device: str, tensor_parallel: int = 1) -> Iterator[None]:
+    """Pin the engine's child processes (spawned now, inheriting the environment) to its own GPUs."""
+    visible = visible_gpus(device, tensor_parallel)
+    if visible is None:
         yield
         return
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
     try:
         yield
     finally:  # the trainer in this process keeps seeing every GPU
@@ -202,6 +222,10 @@ def engine_args(cfg: EngineConfig, on_cpu: bool, sleep: bool, worker_extension: 
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.tensor_parallel_size > 1:  # one engine over several GPUs (32B in bf16 fits no one GPU)
             kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+            # vLLM's multiprocessing executor: one worker process per GPU the engine sees. Inside a Ray
+            # actor vLLM would otherwise pick its Ray executor, which wants a placement bundle per GPU
+            # and refuses the actor's one bundle of tensor_parallel_size GPUs.
+            kwargs["distributed_executor_backend"] = "mp"
     return dict(
         model=cfg.model,
         dtype=_dtype_name(cfg, on_cpu),
@@ -269,7 +293,7 @@ class VLLMEngine(StagedWake, GroupReceiver, FlatLoader):
                 "%s: vLLM sleep mode is not available on this platform; weights stay resident", self.name
             )
         args = AsyncEngineArgs(**engine_args(self.cfg, self.on_cpu, sleep, self.worker_extension))
-        with _visible_gpu(self.cfg.device):
+        with _visible_gpu(self.cfg.device, self.cfg.tensor_parallel_size):
             return AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:

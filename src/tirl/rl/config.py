@@ -303,6 +303,19 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _tensor_parallel_engines_get_their_gpus(self) -> TrainConfig:
+        """On Ray a tensor-parallel vLLM engine is one actor holding all its GPUs (one bundle; vLLM's
+        multiprocessing executor starts a worker per GPU there)."""
+        engine, gpus = self.engine, self.cluster.engines.num_gpus
+        tp = engine.tensor_parallel_size
+        if self.cluster.backend == "ray" and engine.backend == "vllm" and gpus > 0 and gpus != tp:
+            raise ValueError(
+                f"engine.tensor_parallel_size={tp} runs each vLLM engine on {tp} GPUs, but "
+                f"cluster.engines.num_gpus={gpus:g} gives each engine actor that many: make them equal"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _colocation_fits(self) -> TrainConfig:
         cluster, engine = self.cluster, self.engine
         if not cluster.colocate:
