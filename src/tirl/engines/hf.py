@@ -105,8 +105,7 @@ class HFEngine:
         self._batch = _Batch()
         self._closed = False
         self._asleep = False
-        self.steps = 0
-        self.generated_tokens = 0
+        self.steps = 0  # decode steps run (batching is visible in it)
         self._thread = threading.Thread(target=self._run, name=f"tirl-{name}", daemon=True)
         self._thread.start()
 
@@ -194,9 +193,6 @@ class HFEngine:
             self._closed = True
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
-
-    def stats(self) -> dict:
-        return {"steps": self.steps, "generated_tokens": self.generated_tokens, "running": len(self._batch)}
 
     # ---- the decode loop (engine thread) ----
 
@@ -315,7 +311,6 @@ class HFEngine:
         for i, req, tok, lp in zip(rows, reqs, tokens.tolist(), logprobs.tolist(), strict=True):
             req.out_ids.append(tok)
             req.out_logprobs.append(lp)
-            self.generated_tokens += 1
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 done.append(i)
