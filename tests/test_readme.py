@@ -490,8 +490,8 @@ def test_every_command_of_engines_lora_and_memory_plan_is_run_or_has_a_reason():
 
 def test_the_documented_vllm_servers_are_the_ones_tirl_starts():
     """docs/engines.md's `vllm serve` commands (GPU, and CPU with its KV budget) are what
-    tirl.engines.remote.vllm_serve_command builds, flag for flag, environment included."""
-    from tirl.engines.remote import vllm_serve_command
+    tests/engines/vllm_server.py builds (the server the tests start), flag for flag, environment included."""
+    from tests.engines.vllm_server import vllm_serve_command
 
     shown = [
         argv
