@@ -29,7 +29,7 @@ from tirl.devices import resolve_device
 # group gets it, so a stuck sync fails in minutes (TIRL_COLLECTIVE_TIMEOUT_S changes it).
 COLLECTIVE_TIMEOUT_S = 600.0
 # Under torchrun the other ranks wait for rank 0's rollouts (broadcast_object) and its engine moves and
-# exports (barrier): hours, on a gloo group of their own.
+# exports (barrier): up to this long, on the rendezvous store (`RankZeroGate`), before the collective.
 WAIT_TIMEOUT = timedelta(hours=4)
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class DistInfo:
     rank: int
     world_size: int
     device: torch.device
-    waits: Any = None  # the group for waits on rank 0 (WAIT_TIMEOUT); None: the default group
+    waits: Any = None  # a RankZeroGate: where the others wait for rank 0 (None: in the collective)
 
     @property
     def is_main(self) -> bool:
@@ -62,13 +62,37 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout_s()))
-    # Rollouts run on rank 0 while the others wait: those waits get a group with a long timeout.
-    waits = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
+    waits = RankZeroGate(dist.get_rank())  # rollouts run on rank 0 while the others wait
     rank = dist.get_rank()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     return DistInfo(rank, dist.get_world_size(), device, waits)
+
+
+class RankZeroGate:
+    """The other ranks wait for rank 0 on the rendezvous store (the one address every rank reached at
+    start; no new group, whose sockets would bind where the hostname resolves), so the collective that
+    follows starts with rank 0 present and its short timeout holds. Every rank passes the gates in the
+    same order: the n-th gate is key n."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.passed = rank, 0
+
+    def wait(self) -> None:
+        self.passed += 1
+        store = dist.distributed_c10d._get_default_store()
+        key = f"tirl/rank0/{self.passed}"
+        if self.rank == 0:
+            store.set(key, b"1")
+        else:
+            store.wait([key], WAIT_TIMEOUT)
+
+
+def _after_rank_zero(info: DistInfo) -> None:
+    gate = getattr(info, "waits", None)
+    if gate is not None:
+        gate.wait()
 
 
 def collective_timeout_s() -> float:
@@ -199,14 +223,16 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     if not info.enabled:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=getattr(info, "waits", None))
+    _after_rank_zero(info)
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
 def barrier(info: DistInfo) -> None:
     """Every rank here (waiting as long as rank 0's engine moves or an export take)."""
     if info.enabled:
-        dist.barrier(group=getattr(info, "waits", None))
+        _after_rank_zero(info)
+        dist.barrier()
 
 
 # ---- sharded checkpoints (torch.distributed.checkpoint) ----
