@@ -128,6 +128,9 @@ def test_micro_demo_end_to_end(tmp_path):
     assert [r["step"] for r in rows] == [1]
     report = (out / "report.md").read_text()
     assert "GRPO-RoC" in report and "heldout_accuracy.png" in report
+    # demo.checks=warn: the shortfall of 1 drill step is a warning at the top of the report, not silence
+    assert summary["warnings"][0].startswith("copy drills did not learn to copy")
+    assert summary["drills"]["steps"] == 1 and "**Warning: copy drills did not learn to copy" in report
 
     # `tirl analyze` reads what the demo's evaluation wrote, scored by the SFT and the RL model.
     from tirl.analysis import analyze

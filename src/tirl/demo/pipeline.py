@@ -701,6 +701,17 @@ def _claims_markdown(comparison: dict, names: list[str]) -> list[str]:
     return [*lines, ""]
 
 
+def _drills_markdown(drills: dict | None) -> list[str]:
+    """The copy drills' outcome in one line, with the held-out copy accuracy at each check."""
+    if drills is None:
+        return []
+    from tirl.demo.drills import DrillOutcome
+
+    curve = ", ".join(f"{h['step']}: {h['copy_accuracy']:.0%}" for h in drills["history"])
+    line = DrillOutcome(**drills).message()
+    return [f"{line[0].upper()}{line[1:]} (held-out copy accuracy by step: {curve}).", ""]
+
+
 def _markdown(settings: DemoSettings, summary: dict, evals: dict, plots: list[Path]) -> str:
     ev = summary["eval"]
     cols = ("accuracy", "tool_use_rate", "tool_error_ratio_in_correct", "tool_error_rate", "response_tokens")
@@ -720,6 +731,7 @@ def _markdown(settings: DemoSettings, summary: dict, evals: dict, plots: list[Pa
         "",
         f"RL gain over SFT: **{summary['improvement_points']:+.1f} points**.",
         "",
+        *_drills_markdown(summary.get("drills")),
         *_comparison_markdown(summary.get("comparison")),
         "## Plots",
         "",
