@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port, receive_stream, send_weights
-from tirl.engines.vllm import flat_plan, pack_flat, unpack_flat
+from tirl.engines.handoff import flat_handoff, pack_flat, unpack_flat
+from tirl.engines.vllm import flat_plan
 
 BUCKET = 512 * 2**20  # the recipe's bucket size
 QWEN3_14B_PARAMS = 14_768_307_200  # the meta-device count (tests/runtime/test_weight_sync.py)
@@ -135,13 +136,12 @@ def _run(parent, path: str, model: torch.nn.Module, channel: SyncChannel | None)
             save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, file)
             parent.send((path, file))
             parent.recv()
-    else:  # local-now: the engine's own packing (tirl.engines.vllm.VLLMEngine._load_shm)
+    else:  # local-now: the runtime's own packing (tirl.engines.handoff.flat_handoff, on the host)
         tensors = list(model.named_parameters())
         plan, nbytes = flat_plan(tensors, torch.bfloat16)
-        with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="tirl-bench-") as f:
-            f.truncate(nbytes)
-            pack_flat(tensors, plan, torch.from_file(f.name, shared=True, size=nbytes, dtype=torch.uint8))
-            parent.send((path, (f.name, nbytes, plan)))
+        with flat_handoff(plan, nbytes, torch.device("cpu")) as handoff:
+            pack_flat(tensors, plan, handoff.buf)
+            parent.send((path, (handoff.path, nbytes, plan)))
             parent.recv()
     return time.perf_counter() - start
 
