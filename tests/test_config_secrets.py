@@ -136,6 +136,22 @@ def test_a_reloaded_config_reads_null_secrets_from_the_environment(tmp_path, mon
     assert (given.sandbox.token, given.engine.remote.api_key) == ("mine", "other")
 
 
+def test_a_secret_given_by_reference_is_saved_as_the_reference(tmp_path, monkeypatch):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    monkeypatch.setenv("MY_ENGINE_KEY", KEY)
+    saved = _saved(tmp_path, monkeypatch, token=f"file:{token_file}", key="env:MY_ENGINE_KEY")
+    text = saved.read_text()
+    assert KEY not in text and TOKEN not in text
+    assert f"file:{token_file}" in text and "env:MY_ENGINE_KEY" in text
+    resumed = load_config(TrainConfig, saved)
+    assert (resumed.sandbox.token, resumed.engine.remote.api_key) == (TOKEN, KEY)
+    assert redacted_dump(resumed) == redacted_dump(load_config(TrainConfig, saved))  # and again
+    monkeypatch.delenv("MY_ENGINE_KEY")
+    with pytest.raises(ConfigError, match=r"engine\.remote\.api_key: .*MY_ENGINE_KEY is not set"):
+        load_config(TrainConfig, saved)
+
+
 async def test_a_resumed_training_config_reaches_a_token_protected_sandbox(tmp_path, monkeypatch):
     """A real `tirl sandbox serve` that requires a bearer token, reached through the config a resumed
     run reloads: without the token it answers 401 (an infrastructure failure); with it, code runs."""

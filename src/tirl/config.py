@@ -12,7 +12,6 @@ Three departures from plain PyYAML, both so that what the docs write works as wr
 from __future__ import annotations
 
 import difflib
-import functools
 import os
 import re
 import typing
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic.fields import FieldInfo
 
 M = TypeVar("M", bound=BaseModel)
@@ -237,9 +236,10 @@ def ensure_writable_dir(path: str | Path, what: str, private: bool = False) -> P
 #
 # A field typed `Secret` (an API key, a bearer token) takes the value itself, `env:NAME` (read from
 # that environment variable) or `file:PATH` (the file's first line, e.g. a 0600 file of its own), and
-# is written as null in every saved config and report (`redacted_dump`). A `secret_or_env(VAR)` field
-# left null (as a reloaded saved config holds it) is read from $VAR when the config is loaded, so every
-# consumer of the field gets the same value, whoever loaded the config.
+# is written in every saved config and report (`redacted_dump`) as the reference it was given as, or
+# as null when it was given in clear. A `secret_or_env(VAR)` field left null (as a reloaded saved config
+# then holds it) is read from $VAR when the config is loaded, so every consumer of the field gets the
+# same value, whoever loaded the config.
 
 SECRET_MARK = {"secret": True}
 SANDBOX_TOKEN_ENV = "TIRL_SANDBOX_TOKEN"  # sandbox.token; also how tirl hands a service its token
@@ -266,14 +266,35 @@ def _resolve_secret(value: object, env: str | None = None) -> object:
     return value
 
 
-Secret = Annotated[str | None, BeforeValidator(_resolve_secret), Field(json_schema_extra=SECRET_MARK)]
+class SecretRef(str):
+    """A secret's value read through `env:NAME` or `file:PATH`, keeping that reference: a saved config
+    writes the reference (it discloses nothing), so a reloaded config reads the secret again."""
+
+    reference: str = ""
+
+
+def _secret_validator(env: str | None) -> WrapValidator:
+    def validate(value: object, handler: ValidatorFunctionWrapHandler) -> object:
+        if isinstance(value, SecretRef):  # a validated config's value, validated again
+            return value
+        resolved = handler(_resolve_secret(value, env))
+        if isinstance(resolved, str) and isinstance(value, str) and value.startswith(("env:", "file:")):
+            kept = SecretRef(resolved)
+            kept.reference = value
+            return kept
+        return resolved
+
+    return WrapValidator(validate)
+
+
+Secret = Annotated[str | None, _secret_validator(None), Field(json_schema_extra=SECRET_MARK)]
 
 
 def secret_or_env(env: str) -> Any:
     """The type of a Secret field that, left null, is read from the environment variable `env`."""
     return Annotated[
         str | None,
-        BeforeValidator(functools.partial(_resolve_secret, env=env)),
+        _secret_validator(env),
         Field(validate_default=True, json_schema_extra={**SECRET_MARK, "env": env}),
     ]
 
@@ -283,7 +304,8 @@ def is_secret(field: FieldInfo) -> bool:
 
 
 def redacted_dump(cfg: BaseModel) -> dict[str, Any]:
-    """cfg.model_dump(mode="json", by_alias=True) with every Secret field (at any depth) set to null."""
+    """cfg.model_dump(mode="json", by_alias=True) with every Secret field (at any depth) set to its
+    reference (`env:NAME`, `file:PATH`), or null when it was given in clear."""
     data = cfg.model_dump(mode="json", by_alias=True)
     _redact(cfg, data)
     return data
@@ -296,7 +318,7 @@ def _redact(model: BaseModel, data: dict[str, Any]) -> None:
             continue
         value = getattr(model, name)
         if is_secret(field):
-            data[key] = None
+            data[key] = value.reference if isinstance(value, SecretRef) else None
         elif isinstance(value, BaseModel) and isinstance(data[key], dict):
             _redact(value, data[key])
         elif isinstance(value, list | tuple) and isinstance(data[key], list):
