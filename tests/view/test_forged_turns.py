@@ -25,7 +25,7 @@ from tirl.cli import app
 from tirl.data.problem import Problem
 from tirl.engines.base import Generation, SamplingParams, SingleEnginePool
 from tirl.rl.trajectory_sample import compact
-from tirl.view import view_record
+from tirl.view import ViewError, view_record
 from tirl.view.records import LEGACY_NOTE, UNPLACED_NOTE, place_turns
 
 pytestmark = pytest.mark.timeout(300)
@@ -180,3 +180,9 @@ def test_placement_holds_any_number_of_turns_and_gives_up_on_a_search_built_to_b
     started = time.perf_counter()
     assert place_turns(text, same, CFG.prefill, trailing=False) is None
     assert time.perf_counter() - started < 5.0  # about 0.2 s; 10 s without the budget
+
+
+def test_model_turns_of_the_wrong_type_are_one_view_error(forged):
+    for bad in ("one string", [1, 2]):
+        with pytest.raises(ViewError, match=r"trajectory #1 .*model_turns is not a list of strings"):
+            view_record({**forged["silent"].to_dict(), "model_turns": bad}, 0, AGENT)

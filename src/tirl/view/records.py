@@ -147,6 +147,8 @@ def view_record(raw: dict, index: int, agent: dict | None = None) -> dict:
 
 def _view_record(raw: dict, index: int, agent: dict) -> dict:
     traj = Trajectory.from_dict(raw)
+    if not isinstance(traj.model_turns, list) or not all(isinstance(t, str) for t in traj.model_turns):
+        raise ValueError("model_turns is not a list of strings")
     tokens = raw.get("turn_tokens") or turn_token_counts(traj.loss_mask)
     pen = penalties(traj, (raw.get("roc") or {}).get("no_tool_p_err", 0.5))
     turns, note = view_turns(traj, tokens, agent)
