@@ -111,12 +111,22 @@ def finish_checkpoint(
         tokenizer.save_pretrained(tmp / model_dir)
     torch.save({**trainer_state, "rng": rng_states()}, tmp / "trainer_state.pt")
     _copy_agent_settings(Path(run_dir) / "config.yaml", tmp / model_dir / AGENT_FILE)
-    if final.exists():  # re-saving a step (e.g. a resumed run): replace it whole
-        shutil.rmtree(final)
+    stale = [final] if final.exists() else []  # re-saving a step (e.g. a resumed run): replaced whole
+    aside = [_move_aside(run_dir, step, p) for p in stale]
     os.replace(tmp, final)
-    for _, old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    aside += [_move_aside(run_dir, n, old) for n, old in list_checkpoints(run_dir)[:-keep_last]]
+    for path in aside:
+        shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def _move_aside(run_dir: Path, step: int, ckpt: Path) -> Path:
+    """A checkpoint renamed to a hidden name before it is deleted: a reader listing the run (eval or
+    chat on it while it trains) sees it whole or not at all, never half removed (rmtree takes seconds)."""
+    hidden = staging_path(run_dir, step, f"old-{os.getpid()}")
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(ckpt, hidden)
+    return hidden
 
 
 def _copy_agent_settings(run_config: Path, dest: Path) -> None:

@@ -11,6 +11,7 @@ computed fresh from the frozen base, so a sync never accumulates and a missed on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -276,7 +277,8 @@ def build_dir(out_dir: Path, build: Callable[[Path], None], replace: bool = Fals
         build(tmp)
         if replace and out_dir.exists():
             old = _fresh_dir(out_dir)
-            os.replace(out_dir, old / out_dir.name)
+            with contextlib.suppress(FileNotFoundError):  # another replacing caller moved it first
+                os.replace(out_dir, old / out_dir.name)
             shutil.rmtree(old, ignore_errors=True)
         try:
             os.rename(tmp, out_dir)  # fails when out_dir exists (and is not empty): another caller won
