@@ -580,7 +580,7 @@ def demo(
     quick: bool = typer.Option(
         False,
         "--quick",
-        help="The ~3-minute preset (src/tirl/configs/demo/quick.yaml): less data, fewer steps.",
+        help="A shorter preset (src/tirl/configs/demo/quick.yaml): less data, fewer RL steps.",
     ),
     progress: bool = typer.Option(True, "--progress/--quiet"),
     verbose: bool = VERBOSE,
