@@ -8,6 +8,8 @@ lands under one output directory: models, metrics JSONL, evaluation reports, PNG
 summary.json. `--compare grpo` also trains plain GRPO (RoC off) with the same budget, for the paper's
 Figure 4 (tool-error ratio inside correct trajectories) at tiny scale; `--seeds N` repeats both RL
 runs (not SFT) with N seeds and reports every curve with its 95% interval (tirl.demo.seed_stats).
+The drills run until the model copies (tirl.demo.drills), and each phase checks its outcome
+(tirl.demo.checks): a shortfall stops the demo in one line, or with demo.checks=warn heads the report.
 """
 
 from __future__ import annotations
