@@ -120,3 +120,79 @@ def test_a_reader_sees_every_checkpoint_whole_while_a_save_replaces_and_prunes(
         assert step in view and view[step] != "two, first try", seen
     assert _reader_view(run) == {2: "two", 3: "three"}
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+def _lora_checkpoint(run: Path, step: int, base: Path, keep_last: int) -> Path:
+    """A LoRA run's checkpoint as the trainer saves it (adapter/ naming its base, trainer state), with
+    an adapter that moves the model (B nonzero)."""
+    from transformers import AutoModelForCausalLM
+
+    from tirl.rl.checkpoint import finish_checkpoint, staging_dir
+    from tirl.rl.config import LoraConfig
+    from tirl.rl.lora import apply_lora, save_adapter
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(base), LoraConfig(enabled=True, rank=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01 * step)
+    tmp = staging_dir(run, step, "test")
+    save_adapter(model, tmp / "adapter", str(base), is_main=True)
+    return finish_checkpoint(run, step, tmp, None, {"step": step, "marker": str(step)}, keep_last, "adapter")
+
+
+def _merge_paused_before_saving(ckpt: Path, merging, pruned, results) -> None:
+    """`tirl eval` on a LoRA checkpoint (merged on first use), paused after it read the adapter and
+    before it writes the merged model, while the trainer prunes that checkpoint."""
+    from transformers import PreTrainedModel
+
+    from tirl.rl.checkpoint import checkpoint_model_dir
+
+    real = PreTrainedModel.save_pretrained
+
+    def save_after_the_prune(self, *args, **kwargs):
+        merging.set()
+        pruned.wait(timeout=120)
+        return real(self, *args, **kwargs)
+
+    PreTrainedModel.save_pretrained = save_after_the_prune  # this forked process's own class
+    try:
+        results.put(("ok", str(checkpoint_model_dir(ckpt))))
+    except Exception as e:  # the parent asserts on it
+        results.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def test_a_merge_of_a_checkpoint_pruned_under_it_leaves_no_step_directory(tiny_model_dir, tmp_path):
+    """A reader merging a LoRA run's older checkpoint while the trainer saves the next and prunes that
+    one: the reader gets one clear error, the run lists only the newest checkpoint (no step directory
+    made again by the merge, holding only merged/ or nothing), and the newest merges into a model that
+    transformers loads with the adapter's weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tirl.rl.checkpoint import checkpoint_model_dir
+
+    run = tmp_path / "run"
+    first = _lora_checkpoint(run, 1, tiny_model_dir, keep_last=1)
+    ctx = multiprocessing.get_context("fork")
+    merging, pruned, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    reader = ctx.Process(target=_merge_paused_before_saving, args=(first, merging, pruned, results))
+    reader.start()
+    try:
+        assert merging.wait(timeout=120), "the reader never reached its merge"
+        _lora_checkpoint(run, 2, tiny_model_dir, keep_last=1)  # prunes step 1 under the reader
+    finally:
+        pruned.set()
+    kind, said = results.get(timeout=120)
+    reader.join(timeout=60)
+    assert [step for step, _ in list_checkpoints(run)] == [2]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+    assert kind == "error" and "was removed while merged was built in it" in said and "\n" not in said, said
+    newest = run / "checkpoints" / "step_000002"
+    merged = AutoModelForCausalLM.from_pretrained(checkpoint_model_dir(newest))
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(newest / "adapter")
+    )
+    prompt = torch.tensor([[5, 17, 33, 2, 99]])
+    with torch.no_grad():
+        assert torch.allclose(merged(prompt).logits, adapted.eval()(prompt).logits, atol=1e-5)

@@ -273,8 +273,15 @@ def build_dir(out_dir: Path, build: Callable[[Path], None], replace: bool = Fals
         raise FileExistsError(f"{out_dir} exists and is not a model directory: it is left alone")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _fresh_dir(out_dir)
+    held = os.open(out_dir.parent, os.O_RDONLY | os.O_DIRECTORY)  # open: its inode number stays unique
+    parent = _identity(os.fstat(held))
     try:
-        build(tmp)
+        try:
+            build(tmp)
+        except OSError as e:
+            _check_parent_kept(out_dir, parent, e)
+            raise
+        _check_parent_kept(out_dir, parent)
         if replace and out_dir.exists():
             old = _fresh_dir(out_dir)
             with contextlib.suppress(FileNotFoundError):  # another replacing caller moved it first
@@ -287,7 +294,30 @@ def build_dir(out_dir: Path, build: Callable[[Path], None], replace: bool = Fals
                 raise FileExistsError(f"{out_dir} exists and is not a model directory") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # already gone when the rename succeeded
+        if _identity(out_dir.parent) != parent:  # made again by the build's own makedirs: not a checkpoint
+            with contextlib.suppress(OSError):
+                out_dir.parent.rmdir()
+        os.close(held)
     return out_dir
+
+
+def _identity(path: Path | os.stat_result) -> tuple[int, int] | None:
+    try:
+        st = path if isinstance(path, os.stat_result) else path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _check_parent_kept(out_dir: Path, parent: tuple[int, int] | None, cause: OSError | None = None) -> None:
+    """The directory out_dir goes into must be the one the build started in: a checkpoint pruned (or
+    saved again) meanwhile is gone, and a merge renamed into a parent made again would leave a step
+    directory holding only merged/ (a checkpoint to readers, never pruned)."""
+    if _identity(out_dir.parent) != parent:
+        raise FileNotFoundError(
+            f"{out_dir.parent} was removed while {out_dir.name} was built in it (a checkpoint pruned or "
+            "saved again meanwhile): open the run's newest checkpoint instead"
+        ) from cause
 
 
 def _fresh_dir(beside: Path) -> Path:
