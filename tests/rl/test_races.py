@@ -87,8 +87,9 @@ def test_a_reader_sees_every_checkpoint_whole_while_a_save_replaces_and_prunes(
     tiny_model, tmp_path, monkeypatch
 ):
     """A resumed run re-saving step 2 and pruning to the newest 2, with a reader opening the run exactly
-    when each deletion has finished (the moment rmtree's seconds end): it sees step 2 (the new one) and
-    every checkpoint it lists whole; after the race only the newest two are left, no hidden directory."""
+    when each deletion has removed its first file and again when it has finished (rmtree takes seconds
+    on a real model): it sees step 2 (the new one) and every checkpoint it lists whole; after the race
+    only the newest two are left, no hidden directory."""
     run = tmp_path / "run"
 
     def save(step: int, marker: str) -> Path:
@@ -99,25 +100,39 @@ def test_a_reader_sees_every_checkpoint_whole_while_a_save_replaces_and_prunes(
 
     save(1, "one")
     save(2, "two, first try")
-    seen: list[tuple[int, dict[int, str]]] = []
-    saving = {"step": 0}
-    real_rmtree = shutil.rmtree
+    seen: list[tuple[int, dict[int, str] | str]] = []
+    saving = {"step": 0, "deleting": False}
+    real_rmtree, real_unlink = shutil.rmtree, os.unlink
+
+    def read() -> None:
+        try:
+            seen.append((saving["step"], _reader_view(run)))
+        except OSError as e:  # rmtree(ignore_errors=True) would swallow it
+            seen.append((saving["step"], f"{type(e).__name__}: {e}"))
+
+    def unlink_then_read(*args, **kwargs):
+        real_unlink(*args, **kwargs)
+        if saving["deleting"]:
+            saving["deleting"] = False  # once per deletion: after its first file
+            read()
 
     def rmtree_then_read(path, *args, **kwargs):
         existed = Path(path).exists()  # not a fresh staging path being cleared first
+        saving["deleting"] = existed and Path(path).parent == run / "checkpoints"
         real_rmtree(path, *args, **kwargs)
         if existed and Path(path).parent == run / "checkpoints":
-            seen.append((saving["step"], _reader_view(run)))
+            read()
 
     monkeypatch.setattr(shutil, "rmtree", rmtree_then_read)
+    monkeypatch.setattr(os, "unlink", unlink_then_read)
     saving["step"] = 2
     save(2, "two")  # replaces step 2 whole
     saving["step"] = 3
     save(3, "three")  # prunes step 1
     monkeypatch.undo()
-    assert seen, "the saves deleted nothing: the race never happened"
+    assert len(seen) == 4, seen  # mid-way and after, for each of the two deletions
     for step, view in seen:
-        assert step in view and view[step] != "two, first try", seen
+        assert isinstance(view, dict) and step in view and view[step] != "two, first try", seen
     assert _reader_view(run) == {2: "two", 3: "three"}
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
 
