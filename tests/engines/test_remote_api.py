@@ -105,9 +105,26 @@ def test_one_weights_file_per_sync_for_all_servers(tmp_path, tiny_model_dir):
     assert fleet.write_weights(cfg, weights) == first and fleet.syncs == 1
     written = load_file(str(Path(first) / "model.safetensors"))
     assert set(written) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    weights[1][1].add_(1)  # a training step updates a tensor in place: a new sync, in a new list or not
     second = fleet.write_weights(cfg, list(weights))
     assert second != first and not Path(first).exists() and fleet.syncs == 2
     assert [p.name for p in tmp_path.iterdir()] == [Path(second).name]
+    assert fleet.write_weights(cfg, list(weights)) == second  # the same tensors, unchanged: no rewrite
+
+
+def test_a_sync_that_reuses_the_last_ones_list_or_addresses_is_written_again(tmp_path, tiny_model_dir):
+    """What a sync wrote is recognised by the tensors themselves, not by addresses a later sync may reuse
+    (here: the same list object and first tensor, a new second tensor): stale weights never reload."""
+    from safetensors.torch import load_file
+
+    fleet = ServerFleet()
+    cfg = config(str(tiny_model_dir), ["http://unused"], weights_dir=tmp_path)
+    weights = [("model.embed_tokens.weight", torch.ones(4, 2)), ("model.norm.weight", torch.ones(2))]
+    first = fleet.write_weights(cfg, weights)
+    weights[1] = ("model.norm.weight", torch.full((2,), 3.0))
+    second = fleet.write_weights(cfg, weights)
+    assert second != first and fleet.syncs == 2
+    assert load_file(str(Path(second) / "model.safetensors"))["model.norm.weight"].tolist() == [3.0, 3.0]
 
 
 def test_no_weights_dir_says_what_to_set(tiny_model_dir):

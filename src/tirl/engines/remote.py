@@ -35,6 +35,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -608,7 +609,7 @@ class ServerFleet(EngineFleet):
     def __init__(self, counters: dict[str, int] | None = None):
         super().__init__(counters)
         self.syncs = 0  # weight syncs so far: a revived server with stale weights waits for the next
-        self._written: tuple[tuple[int, int], str] | None = None
+        self._written: tuple[_SyncKey, str] | None = None
         self._lock = threading.Lock()
 
     def lost(self, engine: ServerEngine, why: str) -> bool:
@@ -643,9 +644,8 @@ class ServerFleet(EngineFleet):
             weights = list(weights)
         if not weights:
             raise ValueError("load_weights() got no tensors")
-        key = (id(weights), id(weights[0][1]))
         with self._lock:
-            if self._written is not None and self._written[0] == key:
+            if self._written is not None and self._written[0].same(weights):
                 return self._written[1]
             root = Path(cfg.remote.weights_dir or "")
             if not cfg.remote.weights_dir:
@@ -658,8 +658,34 @@ class ServerFleet(EngineFleet):
             save_checkpoint(weights, target, tied=_tied(cfg.model))
             if self._written is not None:
                 shutil.rmtree(self._written[1], ignore_errors=True)
-            self._written = (key, str(target))
+            self._written = (_SyncKey.of(weights), str(target))
             return str(target)
+
+
+@dataclass(frozen=True)
+class _SyncKey:
+    """Which weights a sync wrote, without keeping them alive (a whole model on the host): weak
+    references to the very tensors, with their in-place version counters. An id() would do neither: a
+    later sync's list or tensor can reuse a freed one's address, and the servers would reload stale
+    weights."""
+
+    names: tuple[str, ...]
+    refs: tuple[weakref.ref, ...]
+    versions: tuple[int, ...]
+
+    @classmethod
+    def of(cls, weights: list[tuple[str, torch.Tensor]]) -> _SyncKey:
+        return cls(
+            tuple(n for n, _ in weights),
+            tuple(weakref.ref(t) for _, t in weights),
+            tuple(t._version for _, t in weights),
+        )
+
+    def same(self, weights: list[tuple[str, torch.Tensor]]) -> bool:
+        return len(weights) == len(self.refs) and all(
+            name == n and ref() is t and t._version == v
+            for (name, t), n, ref, v in zip(weights, self.names, self.refs, self.versions, strict=True)
+        )
 
 
 def _tied(model_dir: str) -> bool:
