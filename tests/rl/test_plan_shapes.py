@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import tirl
 from tirl.rl.plan import (
@@ -103,10 +104,10 @@ def test_each_phase_per_gpu_by_layout(wide, colocated, offload):
     assert plan.training_total == peak + int(peak * plan.slack) + int(TRAINER_CONTEXT) + int(asleep)
     beside = (0 if offload else training.resident) + int(TRAINER_CONTEXT) if colocated else 0
     assert plan.rollout_total == engine.budget + beside
-    if colocated:  # the woken engine's weights next to the trainer's parameters and one gathered tensor
-        largest = wide.vocab_size * wide.hidden_size * 4
+    if colocated:  # the woken engine's weights next to the trainer's parameters, one gathered tensor
+        largest = wide.vocab_size * wide.hidden_size * 4  # and the sync packed whole (torchrun)
         expected = engine.weights + int(ENGINE_ASLEEP) + training.by_category["Sharded Param"] + largest
-        assert plan.sync_total == expected + int(TRAINER_CONTEXT)
+        assert plan.sync_total == expected + _handoff_bytes(wide) + int(TRAINER_CONTEXT)
     else:
         assert plan.sync_total is None
     summed = [line for line in plan.lines() if " GiB of " in line]
@@ -230,3 +231,67 @@ def test_the_largest_context_that_fits():
     assert plan.fits and plan.workload.engine["max_model_len"] == length
     assert plan.workload.micro_batch == micro_batch_shape(4096, length)
     assert not make_plan(config, cluster, at(length + 1024), "wide", advise=False).fits
+
+
+def _handoff_bytes(config) -> int:
+    """What the in-process sync allocates for this model (tirl.runtime.base.load_sources: every parameter,
+    a tied one once, laid out by the handoff in the engines' bf16), about 2 bytes a parameter."""
+    from tirl.engines.handoff import ALIGN, flat_layout
+    from tirl.rl.plan import _meta_model
+
+    params = dict(_meta_model(config).named_parameters())
+    _, nbytes = flat_layout(((n, tuple(p.shape), p.dtype) for n, p in params.items()), torch.bfloat16)
+    assert 0 <= nbytes - 2 * parameter_count(config) < ALIGN * len(params)
+    return nbytes
+
+
+def _sync_line(plan) -> str:
+    return next(line for line in plan.lines() if line.startswith("weight sync on rank 0's GPU: "))
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_a_torchrun_sync_holds_the_packed_model_on_rank_0s_gpu(wide, world):
+    """Colocated in-process engines (torchrun, or one process): rank 0 packs the whole sync in bf16 into
+    one buffer on its own GPU, next to engine 0's woken weights (engine 0 opens it by CUDA IPC); with
+    engines on other GPUs one /dev/shm file of the same size serves them too. The printed sum adds up."""
+    training = measured(wide, world, _workload())
+    plan = plan_from(wide, ClusterShape(world, 80 * GiB, True, True), _workload(), "wide", training)
+    buffer = _handoff_bytes(wide)
+    assert plan.sync_buffer == buffer and plan.buffer_on_gpu and plan.buffer_in_file == (world > 1)
+    beside = plan.engine.weights + int(ENGINE_ASLEEP) + training.parameter_bytes + plan.largest_tensor
+    assert plan.sync_total == beside + buffer + int(TRAINER_CONTEXT)
+    values, total, _ = _terms(_sync_line(plan))
+    assert values[-2] == pytest.approx(buffer / GiB, abs=0.05)
+    assert sum(values) == pytest.approx(total, abs=0.05 * len(values))
+    assert ("/dev/shm" in plan.lines()[-2]) == (world > 1)
+
+
+def test_rays_group_and_separate_engines_stage_no_whole_model_on_a_gpu(wide):
+    """Ray's sync group streams buckets: its sync phase has no packed buffer. Separate in-process engines
+    (none on rank 0's GPU) read the packed sync from one /dev/shm file: no GPU holds it either."""
+    training = measured(wide, 8, _workload())
+    ray = plan_from(wide, ClusterShape(8, 80 * GiB, True, True, "group"), _workload(), "wide", training)
+    beside = ray.engine.weights + int(ENGINE_ASLEEP) + training.parameter_bytes + ray.largest_tensor
+    assert ray.sync_total == beside + int(TRAINER_CONTEXT)
+    assert not ray.buffer_on_gpu and not ray.buffer_in_file and ray.sync_buffer == 0
+    assert any(line.startswith("weight sync per GPU: ") for line in ray.lines())
+    apart = plan_from(wide, ClusterShape(8, 80 * GiB, False, False), _workload(), "wide", training)
+    assert apart.sync_total is None and not apart.buffer_on_gpu and apart.buffer_in_file
+    assert apart.sync_buffer == _handoff_bytes(wide)
+
+
+def test_a_sync_that_overflows_only_by_the_packed_model_is_advised_and_never_fits_with(wide):
+    """Qwen3-14B on 8 x 48 GiB (a fitting training stand-in, engines at 0.7): Ray's sync fits, the torchrun
+    one does not (27.5 GiB of packed weights beside engine 0's 27.5): the advice names the packed sync
+    and no `fits with` line claims a fit that the sync phase breaks."""
+    config = architecture_config("qwen3-14b")
+    training = measured(wide, 8, _workload())
+    workload = _workload(engine=ENGINE | {"gpu_memory_utilization": 0.7})
+    ray = plan_from(config, ClusterShape(8, 48 * GiB, True, True, "group"), workload, "14b", training)
+    assert ray.fits, ray.advice
+    local = plan_from(config, ClusterShape(8, 48 * GiB, True, True), workload, "14b", training)
+    assert local.sync_total == ray.sync_total + local.sync_buffer and local.sync_buffer > 27 * GiB
+    assert not local.fits and len(local.advice) == 1
+    assert "on rank 0's GPU" in local.advice[0] and "packed whole" in local.advice[0]
+    assert "cluster.backend=ray" in local.advice[0]
+    assert fixes_for(config, local) == {}

@@ -14,7 +14,10 @@ plan says how many trajectories of the configured length (engine.max_model_len) 
 Colocated (engine i on trainer rank i's GPU, the paper's layout), the GPU must hold, in turn:
   training: the measured peak + allocator slack + CUDA/NCCL context + the sleeping engine's residue;
   rollout:  the trainer's resident state (fp32 master shard + AdamW moments; gradients are freed) +
-            its context + the awake engine's whole budget.
+            its context + the awake engine's whole budget;
+  sync:     the woken engine's weights + the trainer's parameter shards + one gathered tensor, and on
+            rank 0's GPU under torchrun the whole sync packed in the engines' dtype (the handoff
+            buffer engine 0 opens by CUDA IPC: tirl.engines.handoff); Ray's group streams buckets.
 The constants below are what the tracker cannot see; each says where it comes from.
 """
 
@@ -87,6 +90,9 @@ class ClusterShape:
     # The trainer's state leaves the GPU while the engines generate: what the synchronous trainer does
     # whenever it is colocated (tirl.rl.trainer: optimizer after the update, parameters after the sync).
     trainer_offload: bool = False
+    # How a sync reaches the engines (tirl.runtime.base.Runtime.transport): "load", in-process engines
+    # (backend local: torchrun or one process), packed once into one buffer; "group", Ray's sync group.
+    transport: str = "load"
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,9 @@ class Plan:
     sync_total: int | None = None  # colocated: per GPU while the weights move to the woken engine
     slack: float = 0.05  # the allocator allowance on the measured peak (allocator_slack())
     largest_tensor: int = 0  # bytes of the largest parameter, gathered whole in fp32 by the sync
+    sync_buffer: int = 0  # bytes of the flat handoff buffer of one packed sync (0: nothing packed whole)
+    buffer_on_gpu: bool = False  # that buffer in rank 0's GPU memory (an engine shares that GPU)
+    buffer_in_file: bool = False  # and/or one /dev/shm file for the engines on other GPUs
     fits: bool = False
     advice: list[str] = field(default_factory=list)
     fixes: dict[str, str] = field(default_factory=dict)  # config overrides that make it fit (checked)
@@ -205,13 +214,28 @@ class Plan:
         return terms
 
     def _sync_terms(self) -> list[tuple[str, int]]:
-        return [
+        """Rank 0's GPU, the fullest: it also holds the packed sync when engine 0 shares it."""
+        terms = [
             ("engine weights", self.engine.weights),
             ("engine context", int(ENGINE_ASLEEP)),
             ("trainer parameters", self.training.parameter_bytes),
             ("one gathered fp32 tensor", self.largest_tensor),
-            ("trainer context", int(TRAINER_CONTEXT)),
         ]
+        if self.buffer_on_gpu:
+            terms.append(("sync buffer (the synced weights packed whole)", self.sync_buffer))
+        return [*terms, ("trainer context", int(TRAINER_CONTEXT))]
+
+    def _sync_line(self) -> str:
+        """Where one sync is staged whole, if anywhere: what a /dev/shm or a GPU must have room for."""
+        where = []
+        if self.buffer_on_gpu:
+            where.append("packed whole on rank 0's GPU (engine 0 opens it by CUDA IPC)")
+        if self.buffer_in_file:
+            file = f"one {_gb(self.sync_buffer)} GiB /dev/shm file on rank 0's host"
+            where.append(f"{'and' if where else 'packed whole into'} {file} for the engines on other GPUs")
+        if self.cluster.transport == "group":
+            where.append("streamed in buckets over the sync group")
+        return ", ".join([f"weight sync: {_gb(self.sync_bytes)} GiB per sync", *where])
 
     def _engine_lines(self) -> list[str]:
         e, c = self.engine, self.cluster
@@ -232,8 +256,9 @@ class Plan:
             "rollout per GPU: " + _sum(self._rollout_terms(), self.rollout_total or 0, c.gpu_memory),
         ]
         if self.sync_total is not None:
-            out.append("weight sync per GPU: " + _sum(self._sync_terms(), self.sync_total, c.gpu_memory))
-        return [*out, f"weight sync: {_gb(self.sync_bytes)} GiB per sync"]
+            label = "weight sync on rank 0's GPU: " if self.buffer_on_gpu else "weight sync per GPU: "
+            out.append(label + _sum(self._sync_terms(), self.sync_total, c.gpu_memory))
+        return [*out, self._sync_line()]
 
     def _fix_lines(self) -> list[str]:
         if not self.fixes:
@@ -603,6 +628,7 @@ def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, trai
     """The plan around a training measurement (measure_training's, or one taken on a GPU): the engine
     arithmetic, each phase's total per GPU, and what does not fit (no fixes: make_plan finds those)."""
     from tirl.distributed.weight_sync import plan_entries
+    from tirl.engines.handoff import flat_layout
 
     model = _meta_model(config)
     parameters = sum(p.numel() for p in model.parameters())
@@ -614,6 +640,8 @@ def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, trai
 
         synced = dict(merged_tensors(apply_lora(_meta_model(config), LoraConfig(**workload.lora))))
     sync_bytes = sum(e.nbytes for e in plan_entries(model, engine_dtype, synced))
+    entries = (synced if synced is not None else dict(model.named_parameters())).items()
+    _, buffer = flat_layout(((name, tuple(t.shape), t.dtype) for name, t in entries), engine_dtype)
     largest = max(p.numel() for p in model.parameters()) * 4
     engine = (
         engine_memory(config, parameters, cluster.gpu_memory, workload.engine) if workload.engine else None
@@ -631,6 +659,10 @@ def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, trai
         slack=allocator_slack(),
         largest_tensor=largest,
     )
+    if packs_whole(cluster, workload):
+        tp = int(workload.engine.get("tensor_parallel_size", 1))
+        plan.sync_buffer, plan.buffer_on_gpu = buffer, cluster.colocated
+        plan.buffer_in_file = not cluster.colocated or cluster.gpus > tp
     plan.training_total = sum(v for _, v in plan._training_terms())
     if engine is not None:
         plan.rollout_total = sum(v for _, v in plan._rollout_terms())
@@ -639,6 +671,15 @@ def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, trai
     plan.advice = _advice(config, plan)
     plan.fits = not plan.advice
     return plan
+
+
+def packs_whole(cluster: ClusterShape, workload: Workload) -> bool:
+    """Whether rank 0 packs each sync whole (tirl.runtime.base.load_sources): in-process vLLM engines,
+    the only FlatLoader; Ray's group streams buckets, other engines take (name, tensor) pairs.
+    Colocated, engine 0 is on rank 0's GPU (engine i on cuda:i*tp) and the buffer is there; the engines
+    on other GPUs, or all of them when none shares it, read one /dev/shm file."""
+    engine = workload.engine
+    return cluster.transport == "load" and engine is not None and engine.get("backend", "vllm") == "vllm"
 
 
 def _training_fits(plan: Plan) -> bool:
@@ -675,12 +716,21 @@ def _advice(config, plan: Plan) -> list[str]:
             f"tokens: set engine.gpu_memory_utilization={min(high, 0.9):.2f}"
         )
     if plan.sync_total is not None and plan.sync_total > c.gpu_memory:
-        out.append(
-            f"the weight sync needs {_gb(plan.sync_total)} GiB per GPU (the woken engine's weights next to the "
-            "trainer's parameters): use more GPUs (smaller parameter shards) or a larger "
-            "engine.tensor_parallel_size (smaller engine weights per GPU)"
-        )
+        out.append(_sync_advice(plan))
     return out
+
+
+def _sync_advice(plan: Plan) -> str:
+    options = [
+        "use more GPUs (smaller parameter shards)",
+        "a larger engine.tensor_parallel_size (smaller engine weights per GPU)",
+    ]
+    held = "the woken engine's weights next to the trainer's parameters"
+    if plan.buffer_on_gpu:
+        held += f" and the sync packed whole, {_gb(plan.sync_buffer)} GiB"
+        options.append("cluster.backend=ray (its sync group streams buckets)")
+    where = "on rank 0's GPU" if plan.buffer_on_gpu else "per GPU"
+    return f"the weight sync needs {_gb(plan.sync_total)} GiB {where} ({held}): " + ", or ".join(options)
 
 
 def _training_options(plan: Plan) -> str:
@@ -986,7 +1036,14 @@ def workload_of(cfg) -> Workload:
         shape = micro_batch_shape(optim.micro_batch_tokens, cfg.max_length)
         return Workload(shape, bf16, optim.gradient_checkpointing, lora=lora)
     shape = micro_batch_shape(optim.micro_batch_tokens, engine.max_model_len)
-    fields = ("max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "dtype", "max_batch_size")
+    fields = (
+        "max_model_len",
+        "gpu_memory_utilization",
+        "tensor_parallel_size",
+        "dtype",
+        "max_batch_size",
+        "backend",
+    )
     engine_fields = {k: getattr(engine, k) for k in fields}
     return Workload(shape, bf16, optim.gradient_checkpointing, engine_fields, lora=lora)
 
@@ -1008,7 +1065,9 @@ def cluster_of(
     if trainer_offload is None:
         algorithm = getattr(cfg, "algorithm", None)
         trainer_offload = shared and not (algorithm is not None and algorithm.async_)
-    return ClusterShape(gpus, gpu_memory, shared, trainer_offload)
+    cluster = getattr(cfg, "cluster", None)
+    transport = "group" if cluster is not None and cluster.backend == "ray" else "load"
+    return ClusterShape(gpus, gpu_memory, shared, trainer_offload, transport)
 
 
 def plan_for_config(cfg, cluster: ClusterShape, arch: str | None = None) -> Plan:
