@@ -258,10 +258,12 @@ def test_a_torchrun_sync_holds_the_packed_model_on_rank_0s_gpu(wide, world):
     plan = plan_from(wide, ClusterShape(world, 80 * GiB, True, True), _workload(), "wide", training)
     buffer = _handoff_bytes(wide)
     assert plan.sync_buffer == buffer and plan.buffer_on_gpu and plan.buffer_in_file == (world > 1)
+    # the FSDP gather makes the largest parameter whole in fp32; one process's parameters are whole
+    assert plan.largest_tensor == (wide.vocab_size * wide.hidden_size * 4 if world > 1 else 0)
     beside = plan.engine.weights + int(ENGINE_ASLEEP) + training.parameter_bytes + plan.largest_tensor
     assert plan.sync_total == beside + buffer + int(TRAINER_CONTEXT)
     values, total, _ = _terms(_sync_line(plan))
-    assert values[-2] == pytest.approx(buffer / GiB, abs=0.05)
+    assert values[-2] == pytest.approx(buffer / GiB, abs=0.05) and len(values) == (6 if world > 1 else 5)
     assert sum(values) == pytest.approx(total, abs=0.05 * len(values))
     assert ("/dev/shm" in plan.lines()[-2]) == (world > 1)
 
@@ -295,3 +297,13 @@ def test_a_sync_that_overflows_only_by_the_packed_model_is_advised_and_never_fit
     assert "on rank 0's GPU" in local.advice[0] and "packed whole" in local.advice[0]
     assert "cluster.backend=ray" in local.advice[0]
     assert fixes_for(config, local) == {}
+
+
+def test_a_lora_sync_packs_and_merges_only_the_adapted_layers(wide):
+    """LoRA (all linear layers): the packed buffer holds the merged layers and their fused partners in
+    bf16, not the embeddings; the largest tensor made whole is one merged MLP weight in fp32."""
+    training = measured(wide, 8, _workload(lora=True))
+    plan = plan_from(wide, ClusterShape(8, 80 * GiB, True, True), _workload(lora=True), "wide", training)
+    assert plan.sync_buffer == pytest.approx(plan.sync_bytes, abs=64 * 7 * wide.num_hidden_layers)
+    assert plan.sync_buffer < _handoff_bytes(wide) - 2 * wide.vocab_size * wide.hidden_size * 2
+    assert plan.largest_tensor == wide.intermediate_size * wide.hidden_size * 4

@@ -144,7 +144,7 @@ class Plan:
     rollout_total: int | None  # per GPU while the engines generate (colocated or engine GPUs)
     sync_total: int | None = None  # colocated: per GPU while the weights move to the woken engine
     slack: float = 0.05  # the allocator allowance on the measured peak (allocator_slack())
-    largest_tensor: int = 0  # bytes of the largest parameter, gathered whole in fp32 by the sync
+    largest_tensor: int = 0  # bytes of the largest tensor the sync makes whole in fp32 (gathered, or merged)
     sync_buffer: int = 0  # bytes of the flat handoff buffer of one packed sync (0: nothing packed whole)
     buffer_on_gpu: bool = False  # that buffer in rank 0's GPU memory (an engine shares that GPU)
     buffer_in_file: bool = False  # and/or one /dev/shm file for the engines on other GPUs
@@ -219,8 +219,9 @@ class Plan:
             ("engine weights", self.engine.weights),
             ("engine context", int(ENGINE_ASLEEP)),
             ("trainer parameters", self.training.parameter_bytes),
-            ("one gathered fp32 tensor", self.largest_tensor),
         ]
+        if self.largest_tensor:
+            terms.append(("one gathered fp32 tensor", self.largest_tensor))
         if self.buffer_on_gpu:
             terms.append(("sync buffer (the synced weights packed whole)", self.sync_buffer))
         return [*terms, ("trainer context", int(TRAINER_CONTEXT))]
@@ -642,7 +643,7 @@ def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, trai
     sync_bytes = sum(e.nbytes for e in plan_entries(model, engine_dtype, synced))
     entries = (synced if synced is not None else dict(model.named_parameters())).items()
     _, buffer = flat_layout(((name, tuple(t.shape), t.dtype) for name, t in entries), engine_dtype)
-    largest = max(p.numel() for p in model.parameters()) * 4
+    largest = _largest_made(model, synced, cluster.gpus)
     engine = (
         engine_memory(config, parameters, cluster.gpu_memory, workload.engine) if workload.engine else None
     )
@@ -671,6 +672,15 @@ def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, trai
     plan.advice = _advice(config, plan)
     plan.fits = not plan.advice
     return plan
+
+
+def _largest_made(model: torch.nn.Module, synced: dict | None, gpus: int) -> int:
+    """The largest tensor a sync makes whole, in fp32, one at a time: each parameter gathered from its
+    FSDP shards (on one GPU the single-process trainer's are whole already: none made), or with LoRA
+    each merged layer (tirl.rl.lora.merged_tensors, on every shape)."""
+    if synced is not None:
+        return max(math.prod(t.shape) for t in synced.values()) * 4
+    return 0 if gpus == 1 else max(p.numel() for p in model.parameters()) * 4
 
 
 def packs_whole(cluster: ClusterShape, workload: Workload) -> bool:
