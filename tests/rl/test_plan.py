@@ -155,3 +155,21 @@ def test_no_preflight_without_a_gpu():
 
     cfg = load_config(SFTConfig, RECIPE / "sft.yaml")
     assert memory_preflight(cfg, str(RECIPE / "sft.yaml"), [], "sft") == []
+
+
+def test_kv_bytes_per_token_uses_the_models_own_head_dim_and_splits_heads_over_tp():
+    """Qwen3-0.6B's head_dim (128) is not hidden_size // heads (1024 // 16 = 64): the KV cache follows
+    head_dim; a config without one falls back to the quotient; tensor parallelism splits the KV heads
+    and replicates them when there are fewer heads than GPUs."""
+    from types import SimpleNamespace
+
+    small = architecture_config("qwen3-0.6b")
+    assert (small.hidden_size, small.num_attention_heads, small.head_dim) == (1024, 16, 128)
+    assert kv_bytes_per_token(small) == 2 * 28 * 8 * 128 * 2
+    assert kv_bytes_per_token(small, dtype_bytes=1) == 2 * 28 * 8 * 128
+    bare = SimpleNamespace(
+        hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, num_hidden_layers=2
+    )
+    assert kv_bytes_per_token(bare) == 2 * 2 * 8 * 64 * 2
+    assert kv_bytes_per_token(bare, tp=2) == 2 * 2 * 4 * 64 * 2
+    assert kv_bytes_per_token(bare, tp=16) == 2 * 2 * 1 * 64 * 2
