@@ -83,6 +83,10 @@ def _train_until_killed(
         **os.environ,
         FAULT_ENV: fault,
         "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+        # the runs it is compared with train in this process: the same intra-op threads, since a float
+        # reduction's last bits depend on how many threads share it (an earlier test may leave this
+        # process at another count than a fresh one gets)
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
     }
     cmd = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "--quiet", f"run_name={name}"]
     cmd += list(overrides)
