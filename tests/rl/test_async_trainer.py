@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.rl.test_trainer import _comparable, _train_until_killed, _write_config
+from tests.rl.test_trainer import _comparable, _write_config, train_in_subprocess
 
 from tirl.config import load_config
 from tirl.rl.checkpoint import latest_checkpoint, load_trainer_state
 from tirl.rl.config import TrainConfig
 from tirl.rl.metrics import read_metrics
-from tirl.rl.trainer import run_training
 
 K0 = ["algorithm.async=true", "algorithm.max_staleness=0"]
 K1 = ["algorithm.async=true", "algorithm.max_staleness=1"]
@@ -43,9 +42,9 @@ def _weights(run_dir) -> dict[str, torch.Tensor]:
     return load_file(latest_checkpoint(run_dir) / "model" / "model.safetensors")
 
 
-def _train(config, name: str, overrides: list[str], resume: bool = False):
-    cfg = load_config(TrainConfig, config, [f"run_name={name}", *overrides])
-    return run_training(cfg, resume=resume, progress=False)
+def _train(config, name: str, overrides: list[str], resume: bool = False, fault: str | None = None):
+    """Every run of this module in a fresh process, as a user runs it: the runs are compared bit for bit."""
+    return train_in_subprocess(config, name, overrides, resume=resume, fault=fault)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +75,7 @@ def test_a_killed_async_run_resumes_exactly_with_k0(config, k0_run):
     """SIGKILLed after step 2's update (its groups' successors were not admitted yet; the checkpoint of
     step 1 holds step 2's draws): the resumed run regenerates them and ends where the
     uninterrupted run did."""
-    _train_until_killed(config, "update:2", resume=False, overrides=K0)
+    _train(config, "killed", K0, fault="update:2")
     resumed = _train(config, "killed", K0, resume=True)
     _assert_same(_rows(resumed), _rows(k0_run))
     got, ref = _weights(resumed), _weights(k0_run)
@@ -88,7 +87,7 @@ def test_a_killed_async_run_resumes_exactly_with_k0(config, k0_run):
 def test_a_killed_async_run_with_k1_trains_the_draws_it_had_in_flight(config, tmp_path):
     """With k = 1 the engines run a step ahead: at the step-1 checkpoint one group was in flight for
     step 2. Killed during step 2, the resumed run regenerates exactly that draw's prompts for step 2."""
-    _train_until_killed(config, "update:2", resume=False, overrides=K1, name="killed_k1")
+    _train(config, "killed_k1", K1, fault="update:2")
     run_dir = config.parent / "runs" / "killed_k1"
     saved = load_trainer_state(latest_checkpoint(run_dir))
     assert saved["step"] == 1

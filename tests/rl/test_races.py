@@ -14,14 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tests.forking import one_thread_after_fork
 
 from tirl.rl.checkpoint import export_model, list_checkpoints, load_trainer_state, save_checkpoint
-
-
-def _one_thread_after_fork() -> None:
-    """A forked child computes on one thread: the parent's OpenMP pool does not survive fork, and libgomp
-    segfaults starting a team in the child once the parent has used one (seen in the full suite)."""
-    torch.set_num_threads(1)
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -30,7 +25,7 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def _export_meeting_the_other(src: Path, out: Path, barrier, results) -> None:
     """One `tirl export` process: it meets the other one at the moment both move the old export aside."""
-    _one_thread_after_fork()
+    one_thread_after_fork()
     real = os.replace
 
     def replace(a, b, *args, **kwargs):
@@ -166,7 +161,7 @@ def _lora_checkpoint(run: Path, step: int, base: Path, keep_last: int) -> Path:
 def _merge_paused_before_saving(ckpt: Path, merging, pruned, results) -> None:
     """`tirl eval` on a LoRA checkpoint (merged on first use), paused after it read the adapter and
     before it writes the merged model, while the trainer prunes that checkpoint."""
-    _one_thread_after_fork()
+    one_thread_after_fork()
     from transformers import PreTrainedModel
 
     from tirl.rl.checkpoint import checkpoint_model_dir

@@ -75,30 +75,33 @@ def _sampled(run_dir: Path) -> list[tuple]:
     ]
 
 
-def _train_until_killed(
-    config: Path, fault: str, resume: bool, overrides: Sequence[str] = (), name: str = "killed"
-) -> None:
-    """`tirl train` in a subprocess that the trainer's fault hook SIGKILLs at `fault` ("PHASE:STEP")."""
-    env = {
-        **os.environ,
-        FAULT_ENV: fault,
-        "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
-        # the runs it is compared with train in this process: the same intra-op threads, since a float
-        # reduction's last bits depend on how many threads share it (an earlier test may leave this
-        # process at another count than a fresh one gets)
-        "OMP_NUM_THREADS": str(torch.get_num_threads()),
-    }
+def train_in_subprocess(
+    config: Path, name: str, overrides: Sequence[str] = (), resume: bool = False, fault: str | None = None
+) -> Path:
+    """`tirl train` in a fresh process, as a user runs it; with `fault` ("PHASE:STEP") the trainer's fault
+    hook SIGKILLs it there. Runs compared bit for bit all train in fresh processes: a float reduction's
+    last bits depend on process state (intra-op threads, backend flags) that earlier tests may change
+    in the pytest process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    if fault:
+        env[FAULT_ENV] = fault
     cmd = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "--quiet", f"run_name={name}"]
-    cmd += list(overrides)
-    proc = subprocess.Popen(
-        cmd + (["--resume"] if resume else []), env=env, start_new_session=True, stderr=subprocess.PIPE
-    )
+    cmd += [*overrides, *(["--resume"] if resume else [])]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
     try:
         _, err = proc.communicate(timeout=900)  # a hang guard only: the kill point is the hook, not time
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the sandbox and reward workers it left behind
-    assert proc.returncode == -signal.SIGKILL, (fault, proc.returncode, err.decode()[-3000:])
+    want = -signal.SIGKILL if fault else 0
+    assert proc.returncode == want, (fault, proc.returncode, err.decode()[-3000:])
+    return config.parent / "runs" / name
+
+
+def _train_until_killed(
+    config: Path, fault: str, resume: bool, overrides: Sequence[str] = (), name: str = "killed"
+) -> None:
+    train_in_subprocess(config, name, overrides, resume=resume, fault=fault)
 
 
 def _final_state(run_dir: Path) -> tuple[dict, dict]:

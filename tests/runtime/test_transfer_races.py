@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tests.forking import one_thread_after_fork
 
 from tirl.engines.config import EngineConfig, RemoteServers
 from tirl.engines.handoff import flat_handoff, flat_layout, pack_flat, unpack_flat
@@ -25,6 +26,7 @@ def _tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
 def _sync_through_shm(seed: int, barrier, paths, done) -> None:
     """One trainer's sync: its transfer file held open until both trainers' files exist and the reader
     has read them (as an engine worker maps it by path while the sync waits)."""
+    one_thread_after_fork()
     weights = _tensors(seed)
     plan, nbytes = flat_layout(((n, tuple(t.shape), t.dtype) for n, t in weights), torch.float32)
     with flat_handoff(plan, nbytes, torch.device("cpu")) as handoff:
@@ -48,7 +50,7 @@ def test_two_syncs_at_once_each_reader_maps_its_own_whole_file_and_none_is_left(
     assert len({path for _, path, _, _ in syncs}) == 2 and all(
         Path(p).parent == tmp_path for _, p, _, _ in syncs
     )
-    reader = ctx.Pool(1)
+    reader = ctx.Pool(1, initializer=one_thread_after_fork)
     try:
         for seed, path, nbytes, plan in syncs:
             got = dict(reader.apply(_read_flat, (path, nbytes, plan)))
