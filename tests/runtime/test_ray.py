@@ -328,7 +328,8 @@ def test_clear_errors_for_unreachable_address_and_missing_resources(cluster, tin
 def test_actors_left_without_cpus_fail_with_what_to_change(cluster, tiny_model_dir, monkeypatch):
     """Engine bundles that leave a node fewer free CPUs than its sandbox service (or the reward actor)
     asks for would leave that actor pending forever: one clear error instead, naming the setting."""
-    monkeypatch.setattr("tirl.runtime.ray_cluster.READY_TIMEOUT_S", 20.0)
+    # The actors can never fit (2 CPUs free per node, 3 asked): the wait only delays the error.
+    monkeypatch.setattr("tirl.runtime.ray_cluster.SCHEDULE_TIMEOUT_S", 3.0)
 
     async def open_with(cc: ClusterConfig, sandbox: SandboxConfig, reward: RewardConfig | None):
         await _cluster_idle()

@@ -29,6 +29,10 @@ from tirl.runtime.config import ClusterConfig, Resources, require_ray
 
 READY_TIMEOUT_S = 300.0  # placement groups and actors (loading a model) must be up within this
 NOTICE_AFTER_S = 10.0  # a placement group not placed by then: say that tirl waits for it, and why
+# Actors outside the placement groups (sandbox services, the reward worker) pending this long: Ray
+# would never schedule them (its own wait is forever). Apart from READY_TIMEOUT_S, which also bounds
+# placement, so that a test can reach this error in seconds without shortening the placement wait.
+SCHEDULE_TIMEOUT_S = READY_TIMEOUT_S
 
 
 class ClusterError(RuntimeError):
@@ -110,17 +114,19 @@ def check_cluster_cpus(ray, cluster: ClusterConfig, num_engines: int, trainer_ra
 
 async def await_scheduled(ray, actors: list[Any], key: str, num_cpus: float) -> None:
     """Fail fast, with what to change, when actors that ask for `num_cpus` outside the placement groups
-    are not running within READY_TIMEOUT_S: Ray would keep them pending forever, e.g. when the
+    are not running within SCHEDULE_TIMEOUT_S: Ray would keep them pending forever, e.g. when the
     colocated bundles took every CPU of the node (each rank's bundle holds engines + trainer CPUs)."""
     try:
-        await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in actors)), READY_TIMEOUT_S)
+        await asyncio.wait_for(
+            asyncio.gather(*(a.__ray_ready__.remote() for a in actors)), SCHEDULE_TIMEOUT_S
+        )
     except TimeoutError:
         for actor in actors:
             ray.kill(actor)
         free = ray.available_resources().get("CPU", 0.0)
         raise ClusterError(
             f"{len(actors)} actor(s) of cluster.{key}={num_cpus:g} CPUs were not scheduled within "
-            f"{READY_TIMEOUT_S:g} s ({free:g} CPUs free beside the engine and trainer bundles): leave "
+            f"{SCHEDULE_TIMEOUT_S:g} s ({free:g} CPUs free beside the engine and trainer bundles): leave "
             f"them room (lower cluster.engines.num_cpus / cluster.trainer.num_cpus, or add CPUs) or "
             f"lower cluster.{key}"
         ) from None
