@@ -316,7 +316,8 @@ def _plan_child(config_dict: dict, gpu_memory: int, micro_batch: tuple[int, int]
     try:
         from transformers import Qwen3Config
 
-        from tirl.rl.plan import ClusterShape, Workload, make_plan
+        from tirl.rl.plan import ClusterShape, Workload
+        from tirl.rl.planner import make_plan
 
         config, cluster = Qwen3Config(**config_dict), ClusterShape(1, gpu_memory, colocated=False)
         plan = make_plan(config, cluster, Workload(micro_batch, bf16), advise=False)  # no search for fixes

@@ -780,7 +780,8 @@ def plan_command(
 
     from tirl.config import ConfigError, load_config, read_yaml
     from tirl.rl.config import SFTConfig, TrainConfig
-    from tirl.rl.plan import GiB, cluster_of, largest_for_config, plan_for_config
+    from tirl.rl.plan import GiB, cluster_of
+    from tirl.rl.planner import largest_for_config, plan_for_config
 
     try:
         if kind == "auto":

@@ -584,7 +584,8 @@ def test_rl_with_lora_resumes_exactly(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow  # two plans, each a measured FSDP2 step on fake tensors (~1 min on 2 busy cores)
 def test_the_memory_plan_counts_adapter_state_only(tiny_model_dir):
-    from tirl.rl.plan import ClusterShape, GiB, Workload, architecture_config, make_plan, parameter_count
+    from tirl.rl.plan import ClusterShape, GiB, Workload, architecture_config, parameter_count
+    from tirl.rl.planner import make_plan
 
     config = architecture_config(str(tiny_model_dir))
     engine = dict(max_model_len=256, gpu_memory_utilization=0.5, tensor_parallel_size=1, dtype="bfloat16")

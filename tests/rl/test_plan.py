@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 import tirl
+from tirl.rl.memory_probe import measure_training
 from tirl.rl.plan import (
     ClusterShape,
     GiB,
@@ -19,11 +20,10 @@ from tirl.rl.plan import (
     architecture_config,
     engine_memory,
     kv_bytes_per_token,
-    make_plan,
-    measure_training,
     micro_batch_shape,
     parameter_count,
 )
+from tirl.rl.planner import make_plan
 
 RECIPE = Path(tirl.__file__).parent / "configs" / "rstar2"
 ENGINE = dict(max_model_len=256, gpu_memory_utilization=0.5, tensor_parallel_size=1, dtype="bfloat16")
@@ -71,7 +71,7 @@ def _accumulated_update_peak(model_dir: Path, shape: tuple[int, int]) -> int:
 
     from tirl.distributed.groups import DistInfo
     from tirl.rl.config import OptimConfig
-    from tirl.rl.plan import PLANNED_ATTENTION, register_planned_attention
+    from tirl.rl.memory_probe import PLANNED_ATTENTION, register_planned_attention
     from tirl.rl.policy import Policy, TrainSample
 
     sequences, length = shape

@@ -4,7 +4,7 @@ keys, never contradicts itself and, applied, gives a plan that fits.
 
 The model is Qwen3-14B's width (hidden 5120, the full vocabulary) with two layers: fake tensors make
 its size free, the layers' count is what costs time. Measurements are shared across the module
-(tirl.rl.plan.measured caches them per process)."""
+(tirl.rl.memory_probe.measured caches them per process)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tirl
+from tirl.rl.memory_probe import measured
 from tirl.rl.plan import (
     ENGINE_ASLEEP,
     QWEN3_14B,
@@ -23,13 +24,11 @@ from tirl.rl.plan import (
     GiB,
     Workload,
     architecture_config,
-    default_lora,
     engine_memory,
-    fixes_for,
-    measured,
     parameter_count,
     plan_from,
 )
+from tirl.rl.planner import default_lora, fixes_for
 
 RECIPE = Path(tirl.__file__).parent / "configs" / "rstar2" / "train.yaml"
 ENGINE = dict(
@@ -215,7 +214,8 @@ def test_the_largest_context_that_fits():
     tokens more does not fit. The GPU is sized between the plans at 4096 and 8192 tokens."""
     from transformers import Qwen3Config
 
-    from tirl.rl.plan import largest, make_plan, micro_batch_shape
+    from tirl.rl.plan import micro_batch_shape
+    from tirl.rl.planner import largest, make_plan
 
     config = Qwen3Config(**QWEN3_14B | {"num_hidden_layers": 2, "max_position_embeddings": 8192})
 
@@ -237,9 +237,9 @@ def _handoff_bytes(config) -> int:
     """What the in-process sync allocates for this model (tirl.runtime.base.load_sources: every parameter,
     a tied one once, laid out by the handoff in the engines' bf16), about 2 bytes a parameter."""
     from tirl.engines.handoff import ALIGN, flat_layout
-    from tirl.rl.plan import _meta_model
+    from tirl.rl.plan import meta_model
 
-    params = dict(_meta_model(config).named_parameters())
+    params = dict(meta_model(config).named_parameters())
     _, nbytes = flat_layout(((n, tuple(p.shape), p.dtype) for n, p in params.items()), torch.bfloat16)
     assert 0 <= nbytes - 2 * parameter_count(config) < ALIGN * len(params)
     return nbytes

@@ -1,11 +1,9 @@
 """`tirl plan`: will a config fit its GPUs? Measured, not guessed, and without a GPU or any weights.
 
-Training memory is measured on the real model architecture: the model is built from its config under
-FakeTensorMode (tensors with shapes and dtypes but no storage), sharded with FSDP2 over a fake process
-group of the real world size (rank 0's shard sizes are exact), and one micro-batch of the configured
-token budget runs forward, backward and the AdamW step through the same code the trainer runs (the
-chunked head, gradient checkpointing, the bf16 mixed-precision policy) under FSDP's memory tracker,
-with the optimizer state already allocated (the steady state of step 2 onwards).
+The plan itself: its inputs (the cluster shape, the workload, the architecture), each phase's memory per
+GPU, the verdict, and the config -> plan glue. Training memory is a measurement it is given
+(tirl.rl.memory_probe: one update on the real architecture under fake tensors and a fake process group);
+tirl.rl.planner takes it, makes the plan, and searches for the overrides that make it fit.
 
 The inference side is arithmetic on the same architecture: vLLM takes gpu_memory_utilization of the
 GPU, its bf16 weights and a profiled activation reserve come off that, and the rest is KV cache; the
@@ -27,8 +25,7 @@ import math
 import os
 import subprocess
 import sys
-import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +103,12 @@ class Workload:
     lora: dict[str, Any] | None = (
         None  # optim.lora's settings when enabled: adapters train, the base is frozen
     )
+
+
+# The steady state of an update: the trainer accumulates gradients over the step's micro-batches
+# (tirl.rl.policy.Policy.accumulate), so from the second one on its backward runs with the first one's
+# gradients held; two micro-batches measure exactly that.
+MICRO_BATCHES = 2
 
 
 @dataclass
@@ -299,271 +302,15 @@ def architecture_config(spec: str):
 
 def parameter_count(config) -> int:
     """Parameters of the architecture (tied embeddings counted once), from a meta-device build."""
-    model = _meta_model(config)
+    model = meta_model(config)
     return sum(p.numel() for p in model.parameters())
 
 
-def _meta_model(config) -> torch.nn.Module:
+def meta_model(config) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-# ---- training: FSDP2 on fake tensors and a fake process group ----
-
-# The steady state of an update: the trainer accumulates gradients over the step's micro-batches
-# (tirl.rl.policy.Policy.accumulate), so from the second one on its backward runs with the first one's
-# gradients held; two micro-batches measure exactly that.
-MICRO_BATCHES = 2
-# The attention implementation the measurement runs under (registered by register_planned_attention).
-PLANNED_ATTENTION = "tirl_plan"
-
-
-def register_planned_attention() -> None:
-    """The GPU trainer's attention, as its memory goes, for fake tensors on the CPU.
-
-    The trainer always passes the padding mask; a micro-batch whose sequences differ in length makes
-    transformers materialize it as a [B, 1, T, T] bool mask, so the worst case is measured with the mask
-    materialized. On a GPU, SDPA with a mask runs the memory-efficient kernel: it converts the bool mask
-    to a [B, 1, T, T] bias in the compute dtype and keeps it for backward, and transformers repeats the
-    KV heads (GQA) before the call, but no [T, T] scores exist. The CPU kernel given a mask would build
-    the scores (the reference kernel), so the mask and the bias are allocated here and the attention
-    itself runs as the fused causal kernel, whose memory is the efficient kernel's."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def mask(*args, **kwargs):
-        return sdpa_mask(*args, **(kwargs | {"allow_is_causal_skip": False}))
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        groups = getattr(module, "num_key_value_groups", 1)
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-        out, weights = sdpa_attention_forward(module, query, key, value, None, **kwargs)
-        if attention_mask is not None:  # the efficient kernel's bias, kept for its backward
-            zero = torch.zeros((), dtype=query.dtype)
-            bias = torch.where(attention_mask.logical_not(), float("-inf"), zero)  # as torch converts it
-            out = _KeepForBackward.apply(out, bias)
-        return out, weights
-
-    AttentionInterface.register(PLANNED_ATTENTION, attention)
-    AttentionMaskInterface.register(PLANNED_ATTENTION, mask)
-
-
-class _KeepForBackward(torch.autograd.Function):
-    """Identity on `out` that holds `kept` until backward, as a kernel that saves it does."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(kept)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-def _workload_meta_model(config, workload: Workload) -> torch.nn.Module:
-    """The model on meta under the planned attention, with the workload's LoRA adapters injected as
-    the trainer does it (tirl.rl.policy.with_lora). Outside FakeTensorMode: peft moves each adapter to
-    its layer's device, which fake tensors refuse."""
-    from transformers import AutoModelForCausalLM
-
-    register_planned_attention()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=PLANNED_ATTENTION
-        )
-    if workload.lora:
-        from tirl.rl.config import LoraConfig
-        from tirl.rl.policy import with_lora
-
-        with_lora(model, LoraConfig(**workload.lora), workload.bf16)
-    return model
-
-
-def _fake_model(config, meta: torch.nn.Module | None = None) -> torch.nn.Module:
-    """The model with storage-less parameters on CPU (call under FakeTensorMode). Built on meta
-    (or `meta`, built beforehand) and then given fake parameters, which skips the random initialization
-    (seconds at 14B)."""
-    model = meta if meta is not None else _meta_model(config)
-    made: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one object
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) not in made:
-                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
-            module._parameters[name] = made[id(p)]
-        for name, b in module.named_buffers(recurse=False):
-            module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
-    return model
-
-
-def _allocate_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's moments exist from the first step on; create them now so the measured step is a later one."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-_MEASURED: dict[tuple[str, int, str], TrainingMemory] = {}
-
-
-def measured(config, world: int, workload: Workload) -> TrainingMemory:
-    """measure_training, once per (architecture, world, workload) in this process: the fixes and
-    --largest plan the same settings more than once."""
-    key = (config.to_json_string(), world, repr(workload))
-    if key not in _MEASURED:
-        _MEASURED[key] = measure_training(config, world, workload)
-    return _MEASURED[key]
-
-
-def measure_training(config, world: int, workload: Workload) -> TrainingMemory:
-    """Peak memory of a training update's steady state on rank 0 of `world` ranks (no GPU, no weights):
-    MICRO_BATCHES micro-batches of the worst shape accumulate their gradients (the second one's backward
-    runs with the first one's gradients held), with the padding mask, then clipping and AdamW's step
-    with its moments allocated. One rank is the trainer's single-process path (no FSDP: the whole model,
-    bf16 autocast); more are FSDP2 ranks over a fake process group, which this process must not
-    already have (the `tirl train` preflight runs it in a subprocess)."""
-    if world < 1:
-        raise ValueError(f"a plan needs at least one GPU, got {world}")
-    meta = _workload_meta_model(config, workload)
-    if world == 1:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode():
-            return _measure_one_process(config, workload, meta)
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "measure_training needs a process without a process group (run it in a subprocess)"
-        )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))  # outside fake mode: the mesh is real bookkeeping
-        with FakeTensorMode(), warnings.catch_warnings():
-            # The token head's (log-prob, entropy) outputs are views; FSDP2 warns that an in-place op
-            # on one would skip its hook. Nothing modifies them in place (the trainer neither).
-            warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
-            return _measure_sharded(config, mesh, workload, meta)
-    finally:
-        dist.destroy_process_group()
-
-
-def _prepared(config, workload: Workload, meta: torch.nn.Module | None) -> torch.nn.Module:
-    """The fake model as tirl.rl.policy._prepare leaves it (checkpointing, no KV cache, the token head)."""
-    from tirl.rl.policy import enable_gradient_checkpointing, install_token_head
-
-    model = _fake_model(config, meta)
-    model.config.use_cache = False
-    if workload.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    install_token_head(model)
-    return model
-
-
-def _measure_sharded(config, mesh, workload: Workload, meta: torch.nn.Module | None = None) -> TrainingMemory:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    from tirl.distributed.groups import DistInfo, shard_model
-
-    model = _prepared(config, workload, meta)
-    info = DistInfo(0, mesh.size(), torch.device("cpu"))
-    shard_model(model, info, workload.bf16, mesh=mesh)
-    optimizer, trainable = _optimizer(model)
-    ids = torch.zeros(workload.micro_batch, dtype=torch.long)
-    tracker = FSDPMemTracker(model, optimizer)
-    tracker.track_inputs((ids,))
-    with tracker:
-        _update(model, optimizer, trainable, ids, info, False, tracker.reset_mod_stats)
-    return _memory(tracker, model, trainable)
-
-
-def _measure_one_process(config, workload: Workload, meta: torch.nn.Module | None = None) -> TrainingMemory:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from tirl.distributed.groups import DistInfo
-
-    model = _prepared(config, workload, meta)
-    optimizer, trainable = _optimizer(model)
-    ids = torch.zeros(workload.micro_batch, dtype=torch.long)
-    tracker = MemTracker()
-    for p in model.parameters():  # a frozen (LoRA base) parameter takes no gradient hook: mark it hooked
-        if not p.requires_grad:
-            tracker._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
-    tracker.track_external(model, optimizer, ids)
-    with tracker:
-        info = DistInfo(0, 1, torch.device("cpu"))
-        _update(model, optimizer, trainable, ids, info, workload.bf16, tracker.reset_mod_stats)
-    return _memory(tracker, model, trainable)
-
-
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-_NO_HOOK = _NoHook()
-
-
-def _optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
-    """AdamW as tirl.rl.policy.Policy makes it, with its moments allocated. foreach=True is what torch
-    picks for CUDA tensors (its temporaries are a moment's size); fake CPU tensors would get the
-    per-tensor loop."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-6, foreach=True)
-    _allocate_adam_state(optimizer)
-    return optimizer, trainable
-
-
-def _update(model, optimizer, trainable, ids: torch.Tensor, info, autocast: bool, next_micro_batch) -> None:
-    """One update as tirl.rl.policy.Policy runs it: forward and backward of each micro-batch with its
-    padding mask (gradients accumulate), clipping on local shards, the optimizer step.
-    `next_micro_batch()` runs before each micro-batch after the first (the tracker's per-module stats
-    allow one forward per module; its peak spans them all)."""
-    from tirl.distributed.groups import clip_grad_norm
-    from tirl.rl.policy import token_logprobs
-
-    attn = torch.ones_like(ids)
-    for index in range(MICRO_BATCHES):
-        if index:
-            next_micro_batch()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logprobs, _ = token_logprobs(model, ids, attn)
-        (logprobs.sum() * info.world_size).backward()
-    clip_grad_norm(trainable, 1.0, info)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _memory(tracker, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> TrainingMemory:
-    peak = tracker.get_tracker_snapshot("peak")
-    stats = next(iter(peak.values())) if peak else {}
-    by_category = {_category(k): int(v) for k, v in stats.items() if k != "Total"}
-    # between steps: every parameter's shard, and AdamW's two moments of the trained ones
-    resident = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(p) * 2 for p in trainable)
-    count = sum(p.numel() for p in trainable)  # a DTensor counts its whole tensor
-    return TrainingMemory(int(stats.get("Total", 0)), by_category, resident, count)
-
-
-# One process's tracker names its categories as FSDP's does for the same memory.
-_ONE_PROCESS_NAMES = {"Parameter": "Sharded Param", "Gradient": "Sharded Grad", "Optstate": "OptState"}
-
-
-def _category(key) -> str:
-    name = getattr(key, "value", str(key))
-    return _ONE_PROCESS_NAMES.get(name, name)
-
-
-def _local_bytes(p: torch.Tensor) -> int:
-    local = p.to_local() if hasattr(p, "to_local") else p
-    return local.numel() * local.element_size()
 
 
 # ---- inference: vLLM's memory budget ----
@@ -616,22 +363,13 @@ def allocator_slack() -> float:
     return 0.15
 
 
-def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "", advise: bool = True) -> Plan:
-    """Measure training, size the engines, judge each phase against the GPU's memory, and (`advise`)
-    find the config overrides that make a plan that does not fit fit (re-measured: they converge)."""
-    plan = plan_from(config, cluster, workload, name, measured(config, cluster.gpus, workload))
-    if advise and not plan.fits:
-        plan.fixes = fixes_for(config, plan)
-    return plan
-
-
 def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, training: TrainingMemory) -> Plan:
     """The plan around a training measurement (measure_training's, or one taken on a GPU): the engine
     arithmetic, each phase's total per GPU, and what does not fit (no fixes: make_plan finds those)."""
     from tirl.distributed.weight_sync import plan_entries
     from tirl.engines.handoff import flat_layout
 
-    model = _meta_model(config)
+    model = meta_model(config)
     parameters = sum(p.numel() for p in model.parameters())
     engine_dtype = torch.float32 if (workload.engine or {}).get("dtype") == "float32" else torch.bfloat16
     synced = None
@@ -639,7 +377,7 @@ def plan_from(config, cluster: ClusterShape, workload: Workload, name: str, trai
         from tirl.rl.config import LoraConfig
         from tirl.rl.lora import apply_lora, merged_tensors
 
-        synced = dict(merged_tensors(apply_lora(_meta_model(config), LoraConfig(**workload.lora))))
+        synced = dict(merged_tensors(apply_lora(meta_model(config), LoraConfig(**workload.lora))))
     sync_bytes = sum(e.nbytes for e in plan_entries(model, engine_dtype, synced))
     entries = (synced if synced is not None else dict(model.named_parameters())).items()
     _, buffer = flat_layout(((name, tuple(t.shape), t.dtype) for name, t in entries), engine_dtype)
@@ -692,7 +430,7 @@ def packs_whole(cluster: ClusterShape, workload: Workload) -> bool:
     return cluster.transport == "load" and engine is not None and engine.get("backend", "vllm") == "vllm"
 
 
-def _training_fits(plan: Plan) -> bool:
+def training_fits(plan: Plan) -> bool:
     return plan.training_total <= plan.cluster.gpu_memory
 
 
@@ -700,7 +438,7 @@ def _advice(config, plan: Plan) -> list[str]:
     """What does not fit, one item per phase, each naming the config keys that change it."""
     c, w = plan.cluster, plan.workload
     out = []
-    if not _training_fits(plan):
+    if not training_fits(plan):
         out.append(
             f"training needs {_gb(plan.training_total)} GiB per GPU of {_gb(c.gpu_memory)}: "
             + _training_options(plan)
@@ -708,7 +446,7 @@ def _advice(config, plan: Plan) -> list[str]:
     engine = plan.engine
     if engine is None:
         return out
-    low, high = _utilization_range(config, plan)
+    low, high = utilization_range(config, plan)
     u = float(w.engine["gpu_memory_utilization"])
     if low > high:
         out.append(
@@ -746,7 +484,7 @@ def _sync_advice(plan: Plan) -> str:
 def _training_options(plan: Plan) -> str:
     w = plan.workload
     b, n = w.micro_batch
-    key = _length_key(w)
+    key = length_key(w)
     options = []
     if b > 1:
         options.append(f"fewer tokens per micro-batch (optim.micro_batch_tokens, at least {key}={n})")
@@ -762,11 +500,11 @@ def _training_options(plan: Plan) -> str:
     return ", or ".join(options)
 
 
-def _length_key(w: Workload) -> str:
+def length_key(w: Workload) -> str:
     return "engine.max_model_len" if w.engine is not None else "max_length"
 
 
-def _utilization_range(config, plan: Plan, engine: dict | None = None) -> tuple[float, float]:
+def utilization_range(config, plan: Plan, engine: dict | None = None) -> tuple[float, float]:
     """The engine.gpu_memory_utilization values that work, to 2 decimals: at least enough for one
     trajectory of max_model_len, at most what the rest of the GPU leaves while generating."""
     c = plan.cluster
@@ -785,244 +523,37 @@ def _utilization_range(config, plan: Plan, engine: dict | None = None) -> tuple[
 
 def _engine_options(config, plan: Plan) -> str:
     options = []
-    tp = _tensor_parallel_fix(config, plan)
+    tp = tensor_parallel_fix(config, plan)
     if tp is not None:
         options.append(f"set engine.tensor_parallel_size={tp}")
-    length = _max_model_len_fix(config, plan)
+    length = max_model_len_fix(config, plan)
     if length is not None:
         options.append(f"set engine.max_model_len={length}")
     return ", or ".join(options) or "use GPUs with more memory"
 
 
-def _tensor_parallel_fix(config, plan: Plan) -> int | None:
+def tensor_parallel_fix(config, plan: Plan) -> int | None:
     """The smallest tensor-parallel size (a divisor of the attention heads, up to 8) with room."""
     engine = plan.workload.engine
     for tp in (2, 4, 8):
         if tp <= int(engine.get("tensor_parallel_size", 1)) or config.num_attention_heads % tp:
             continue
-        low, high = _utilization_range(config, plan, engine | {"tensor_parallel_size": tp})
+        low, high = utilization_range(config, plan, engine | {"tensor_parallel_size": tp})
         if low <= high:
             return tp
     return None
 
 
-def _max_model_len_fix(config, plan: Plan) -> int | None:
+def max_model_len_fix(config, plan: Plan) -> int | None:
     """The longest max_model_len (a multiple of 1024) with room for one trajectory."""
     engine = plan.workload.engine
     length = (int(engine["max_model_len"]) - 1) // 1024 * 1024
     while length >= 1024:
-        low, high = _utilization_range(config, plan, engine | {"max_model_len": length})
+        low, high = utilization_range(config, plan, engine | {"max_model_len": length})
         if low <= high:
             return length
         length -= 1024
     return None
-
-
-# ---- fixes: overrides that make it fit, each checked by planning again ----
-
-
-def fixes_for(config, plan: Plan) -> dict[str, str]:
-    """Config overrides that make `plan` fit, checked by planning again with them (so applying them
-    converges): the engine's from its arithmetic, then training's by measuring (fewer sequences per
-    micro-batch; then, at one sequence, gradient checkpointing, then LoRA). Empty when none is found."""
-    w = plan.workload
-    engine_fix = _engine_fix(config, plan) if w.engine is not None else {}
-    if engine_fix is None:
-        return {}
-    fixes = {f"engine.{k}": str(v) for k, v in engine_fix.items()}
-    workload, training = w, plan.training
-    if engine_fix:
-        engine = w.engine | engine_fix
-        length = int(engine["max_model_len"])
-        workload = replace(w, engine=engine, micro_batch=micro_batch_shape(_tokens(w), length))
-        if workload.micro_batch != w.micro_batch:
-            training = measured(config, plan.cluster.gpus, workload)
-    final = plan_from(config, plan.cluster, workload, plan.architecture, training)
-    if not _training_fits(final):
-        found = _training_fix(config, final)
-        if found is None:
-            return {}
-        final, training_fixes = found
-        fixes |= training_fixes
-    return fixes if final.fits else {}
-
-
-def _tokens(w: Workload) -> int:
-    return w.micro_batch[0] * w.micro_batch[1]
-
-
-def _engine_fix(config, plan: Plan) -> dict[str, Any] | None:
-    """The engine settings that make its phases fit: one gpu_memory_utilization inside the range that
-    works, else a tensor-parallel size or a shorter max_model_len with room (None: nothing works)."""
-    engine = plan.workload.engine
-    low, high = _utilization_range(config, plan)
-    u = float(engine["gpu_memory_utilization"])
-    if low <= high:
-        return (
-            {}
-            if low <= u <= high
-            else {"gpu_memory_utilization": high if u > high else min(high, max(low, 0.9))}
-        )
-    for key, value in (
-        ("tensor_parallel_size", _tensor_parallel_fix(config, plan)),
-        ("max_model_len", _max_model_len_fix(config, plan)),
-    ):
-        if value is not None:
-            low, high = _utilization_range(config, plan, engine | {key: value})
-            return {key: value} | (
-                {} if low <= u <= high else {"gpu_memory_utilization": high if u > high else low}
-            )
-    return None
-
-
-def _training_fix(config, plan: Plan) -> tuple[Plan, dict[str, str]] | None:
-    """A training setting that fits, measured: the most sequences per micro-batch that fit; else
-    gradient checkpointing and then LoRA (rank 16, all linear layers) on, at the configured micro-batch
-    when it fits so, at one sequence otherwise."""
-    w = plan.workload
-    b, n = w.micro_batch
-    one = plan if b == 1 else _plan_with(config, plan, replace(w, micro_batch=(1, n)))
-    if _training_fits(one):
-        best = _most_sequences(config, plan, one)
-        return best, {"optim.micro_batch_tokens": str(_tokens(best.workload))}
-    changes: dict[str, Any] = {}
-    fixes: dict[str, str] = {}
-    for key, change in (
-        ("optim.gradient_checkpointing", {"gradient_checkpointing": True}),
-        ("optim.lora.enabled", {"lora": default_lora()}),
-    ):
-        if getattr(w, next(iter(change))):
-            continue
-        changes |= change
-        fixes[key] = "true"
-        one = _plan_with(config, one, replace(one.workload, **changes))
-        if _training_fits(one):
-            full = _plan_with(config, plan, replace(w, **changes)) if b > 1 else one
-            if _training_fits(full):
-                return full, fixes
-            return one, fixes | {"optim.micro_batch_tokens": str(n)}
-    return None
-
-
-def default_lora() -> dict[str, Any]:
-    """optim.lora as `optim.lora.enabled=true` alone sets it."""
-    from tirl.rl.config import LoraConfig
-
-    return LoraConfig(enabled=True).model_dump()
-
-
-def _plan_with(config, plan: Plan, workload: Workload) -> Plan:
-    return plan_from(
-        config,
-        plan.cluster,
-        workload,
-        plan.architecture,
-        measured(config, plan.cluster.gpus, workload),
-    )
-
-
-def _most_sequences(config, full: Plan, one: Plan) -> Plan:
-    """The largest micro-batch below `full`'s that fits, given `one` (one sequence) fits: the peak grows
-    about linearly with the sequences, so the measurements around the answer predict it; each guess is
-    measured and narrows the bracket (fits at `best`, does not at `above`) until they are neighbours."""
-    n = full.workload.micro_batch[1]
-    fixed = one.training_total - one.training.peak * (1 + one.slack)
-    limit = (full.cluster.gpu_memory - fixed) / (1 + one.slack)
-    best, above = one, full
-    while above.workload.micro_batch[0] - best.workload.micro_batch[0] > 1:
-        low, high = best.workload.micro_batch[0], above.workload.micro_batch[0]
-        slope = (above.training.peak - best.training.peak) / (high - low)
-        guess = low + int((limit - best.training.peak) // max(1.0, slope))
-        guess = min(high - 1, max(low + 1, guess))
-        candidate = _plan_with(config, one, replace(one.workload, micro_batch=(guess, n)))
-        if _training_fits(candidate):
-            best = candidate
-        else:
-            above = candidate
-    return best
-
-
-# ---- the largest setting that fits ----
-
-LARGEST = ("micro-batch", "context", "model")
-
-
-def largest(
-    config, cluster: ClusterShape, workload: Workload, what: str, name: str = ""
-) -> tuple[str, Any, Plan]:
-    """The largest micro-batch (optim.micro_batch_tokens), context (engine.max_model_len, or max_length
-    for SFT) or model (of the Qwen3 family) whose whole plan fits: (config key, value, its plan), or
-    (key, None, the smallest candidate's plan) when none fits. Each candidate is measured: a few plans'
-    time."""
-    if what == "micro-batch":
-        return _largest_micro_batch(config, cluster, workload, name)
-    if what == "context":
-        return _largest_context(config, cluster, workload, name)
-    if what == "model":
-        return _largest_model(cluster, workload)
-    raise ValueError(f"--largest {what}: expected one of {', '.join(LARGEST)}")
-
-
-def _largest_micro_batch(config, cluster, workload, name) -> tuple[str, Any, Plan]:
-    n = workload.micro_batch[1]
-    one = make_plan(config, cluster, replace(workload, micro_batch=(1, n)), name, advise=False)
-    if not one.fits:
-        return "optim.micro_batch_tokens", None, one
-    two = make_plan(config, cluster, replace(workload, micro_batch=(2, n)), name, advise=False)
-    if not two.fits:
-        return "optim.micro_batch_tokens", n, one
-    # between two sequences (fit) and 256 (taken not to: its peak extrapolated from one and two)
-    far = replace(two, workload=replace(two.workload, micro_batch=(256, n)))
-    far.training = replace(
-        two.training, peak=two.training.peak + 254 * (two.training.peak - one.training.peak)
-    )
-    best = _most_sequences(config, far, two)
-    return "optim.micro_batch_tokens", _tokens(best.workload), best
-
-
-def _largest_context(config, cluster, workload, name) -> tuple[str, Any, Plan]:
-    """Binary search over multiples of 1024 up to the model's max_position_embeddings; the micro-batch
-    keeps its token budget (at least one sequence)."""
-    budget = _tokens(workload)
-
-    def plan_at(length: int) -> Plan:
-        engine = workload.engine | {"max_model_len": length} if workload.engine else None
-        shape = micro_batch_shape(budget, length)
-        return make_plan(
-            config, cluster, replace(workload, engine=engine, micro_batch=shape), name, advise=False
-        )
-
-    best = plan_at(1024)
-    if not best.fits:
-        return _length_key(workload), None, best
-    low, high = 1, getattr(config, "max_position_embeddings", 32768) // 1024
-    while low < high:
-        mid = (low + high + 1) // 2
-        candidate = plan_at(mid * 1024)
-        if candidate.fits:
-            low, best = mid, candidate
-        else:
-            high = mid - 1
-    return _length_key(workload), low * 1024, best
-
-
-def _largest_model(cluster, workload) -> tuple[str, Any, Plan]:
-    """Down the Qwen3 family from the largest, the first whose plan fits."""
-    for arch in sorted(QWEN3, key=lambda a: -parameter_count(architecture_config(a))):
-        plan = make_plan(architecture_config(arch), cluster, workload, arch, advise=False)
-        if plan.fits:
-            return "model", arch, plan
-    return "model", None, plan
-
-
-def largest_for_config(cfg, cluster: ClusterShape, what: str, arch: str | None = None) -> tuple[str, Plan]:
-    """`tirl plan --largest WHAT`: one line with the answer, and the plan of that setting (of the
-    smallest candidate when nothing fits)."""
-    spec = arch or cfg.model
-    key, value, plan = largest(architecture_config(spec), cluster, workload_of(cfg), what, spec)
-    if value is None:
-        return f"nothing fits: not even the smallest {key} (its plan below)", plan
-    return f"largest {key} that fits: {value}", plan
 
 
 # ---- from a tirl config ----
@@ -1078,11 +609,6 @@ def cluster_of(
     cluster = getattr(cfg, "cluster", None)
     transport = "group" if cluster is not None and cluster.backend == "ray" else "load"
     return ClusterShape(gpus, gpu_memory, shared, trainer_offload, transport)
-
-
-def plan_for_config(cfg, cluster: ClusterShape, arch: str | None = None) -> Plan:
-    spec = arch or cfg.model
-    return make_plan(architecture_config(spec), cluster, workload_of(cfg), spec)
 
 
 # ---- the preflight of `tirl train` / `tirl sft` on a GPU ----
