@@ -17,15 +17,26 @@ and a DNS-rebinding page reads the answers under its own host name. So, in this 
   that cross-site without the browser asking the server first (a CORS preflight, never answered).
 - Body: a declared length over the limit is refused before reading (413), and the bytes are counted
   while the app reads them, so a body without a length (chunked) stops at the limit, not after it.
+- Time: a body not complete `body_timeout_s` after its headers is answered 408 and its connection
+  closed (a client sending a byte a minute would hold a connection, and a few of them the server);
+  `header_deadline_protocol` closes a uvicorn connection whose request headers do not arrive whole
+  within HEADER_TIMEOUT_S, and `DeadlineReader` bounds a stdlib server's reads the same way.
+- Scope: HTTP only. A websocket is refused at its handshake (403) and any other ASGI scope but
+  lifespan raises, so a route added later cannot skip these checks.
 
 Ids a caller must not guess (trajectories, sessions) come from `unguessable_id` (the secrets module).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import io
 import json
+import math
 import secrets
+import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +46,9 @@ LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # bind addresses, never a Host a client sends
 PUBLIC_PATHS = frozenset({"/health"})
 MiB = 1 << 20
+BODY_TIMEOUT_S = 30.0  # a request body must arrive whole within this after its headers (else 408)
+HEADER_TIMEOUT_S = 10.0  # a connection must send a request's headers whole within this (else closed)
+MAX_HEADER_BYTES = 64 << 10  # a request line and headers larger than this are refused (431)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -49,6 +63,7 @@ class GuardPolicy:
     token: str | None = field(default=None, repr=False)  # never in a repr, a log line or a file
     max_body_bytes: int = 4 * MiB
     public_paths: frozenset[str] = PUBLIC_PATHS
+    body_timeout_s: float = BODY_TIMEOUT_S
 
     @classmethod
     def for_server(
@@ -57,6 +72,7 @@ class GuardPolicy:
         allowed_hosts: Iterable[str] = (),
         token: str | None = None,
         max_body_bytes: int = 4 * MiB,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> GuardPolicy:
         """Loopback names, the host the server binds to (unless a wildcard) and the names given."""
         names = {h.strip().lower() for h in (host, *allowed_hosts)} - WILDCARD_HOSTS
@@ -64,7 +80,11 @@ class GuardPolicy:
             raise ValueError("the bearer token is empty: give a non-empty token or none")
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes={max_body_bytes}: the body limit must be >= 1 byte")
-        return cls(LOOPBACK_HOSTS | names, token, max_body_bytes)
+        if not (math.isfinite(body_timeout_s) and body_timeout_s > 0):
+            raise ValueError(
+                f"body_timeout_s={body_timeout_s}: the body deadline must be a number of seconds > 0"
+            )
+        return cls(LOOPBACK_HOSTS | names, token, max_body_bytes, body_timeout_s=body_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -128,8 +148,17 @@ def unguessable_id(prefix: str = "") -> str:
     return prefix + secrets.token_urlsafe(16)
 
 
+def body_too_slow(policy: GuardPolicy) -> Refusal:
+    return Refusal(408, f"request body not received within {policy.body_timeout_s:g} s")
+
+
 class BodyTooLarge(Exception):
-    """Raised from the counted `receive` once a body passes the limit; the guard answers 413."""
+    """Raised from the guarded `receive` once a body passes the limit; the guard answers 413."""
+
+
+class BodyTooSlow(Exception):
+    """Raised from the guarded `receive` when a body is not whole by its deadline; the guard answers 408.
+    Not a TimeoutError, so an app's own timeout handling cannot take it for one of its own."""
 
 
 def error_body(refusal: Refusal) -> dict:
@@ -138,29 +167,23 @@ def error_body(refusal: Refusal) -> dict:
 
 
 class HTTPGuard:
-    """ASGI middleware: `check` on the headers, then the body counted as the app reads it.
-    `render` shapes a refusal's JSON body like the app's own errors."""
+    """ASGI middleware: HTTP only; `check` on the headers, then the body counted and timed as the app
+    reads it. `render` shapes a refusal's JSON body like the app's own errors."""
 
     def __init__(self, app: Any, policy: GuardPolicy, render: Callable[[Refusal], dict] = error_body) -> None:
         self.app, self.policy, self.render = app, policy, render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await refuse_scope(scope, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refusal = check(self.policy, scope.get("method", "GET"), scope.get("path", ""), headers)
         if refusal is not None:
             return await send_refusal(send, refusal, self.render)
-        seen = 0
+        body = _GuardedBody(receive, self.policy, has_body(headers))
         started = False
-
-        async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.policy.max_body_bytes:
-                raise BodyTooLarge
-            return message
 
         async def tracked(message: dict) -> None:
             nonlocal started
@@ -168,16 +191,126 @@ class HTTPGuard:
             await send(message)
 
         try:
-            await self.app(scope, counted, tracked)
-        except BodyTooLarge:
+            await self.app(scope, body.receive, tracked)
+        except (BodyTooLarge, BodyTooSlow) as exc:
             if started:
                 raise
-            await send_refusal(send, body_too_large(self.policy), self.render)
+            slow = isinstance(exc, BodyTooSlow)
+            refusal = body_too_slow(self.policy) if slow else body_too_large(self.policy)
+            await send_refusal(send, refusal, self.render, close=slow)
 
 
-async def send_refusal(send: Send, refusal: Refusal, render: Callable[[Refusal], dict] = error_body) -> None:
-    """The refusal as a JSON answer, sent straight through ASGI."""
+def has_body(headers: Mapping[str, str]) -> bool:
+    """Whether a request announces a body (HTTP/1.1: a non-zero Content-Length, or Transfer-Encoding)."""
+    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() not in ("0", "")
+
+
+class _GuardedBody:
+    """The app's `receive`: bytes counted against the limit, and the body due whole by its deadline.
+    Once the body is whole, messages pass untimed (what follows is a disconnect, whenever it comes)."""
+
+    def __init__(self, receive: Receive, policy: GuardPolicy, pending: bool) -> None:
+        self._receive, self.policy, self.pending, self.seen = receive, policy, pending, 0
+        self.deadline = asyncio.get_running_loop().time() + policy.body_timeout_s
+
+    async def receive(self) -> dict:
+        if not self.pending:
+            return await self._receive()
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                message = await self._receive()
+        except TimeoutError:
+            raise BodyTooSlow from None
+        self.seen += len(message.get("body", b""))
+        if self.seen > self.policy.max_body_bytes:
+            raise BodyTooLarge
+        self.pending = message["type"] == "http.request" and message.get("more_body", False)
+        return message
+
+
+async def refuse_scope(scope: Scope, send: Send) -> None:
+    """Every ASGI scope but http and lifespan is refused: a websocket at its handshake (the server
+    answers 403), anything else by raising (the server drops it)."""
+    if scope["type"] == "websocket":
+        reason = "tirl's servers speak HTTP only: websocket connections are refused"
+        return await send({"type": "websocket.close", "code": 1008, "reason": reason})
+    raise ValueError(f"ASGI scope type {scope['type']!r} refused: tirl's servers speak HTTP only")
+
+
+async def send_refusal(
+    send: Send, refusal: Refusal, render: Callable[[Refusal], dict] = error_body, close: bool = False
+) -> None:
+    """The refusal as a JSON answer, sent straight through ASGI; `close` ends the connection after it."""
     body = json.dumps(render(refusal)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def header_deadline_protocol(
+    http: str = "auto", header_timeout_s: float = HEADER_TIMEOUT_S, max_header_bytes: int = MAX_HEADER_BYTES
+) -> type:
+    """uvicorn's HTTP protocol (`http`: a name of uvicorn's `--http`), closing a connection that does
+    not send a request's headers whole within `header_timeout_s` of connecting or of its last answer,
+    or sends more than `max_header_bytes` before they end (431). uvicorn has no deadline at all (an
+    idle or dripping connection is held for ever), and its httptools parser no size limit (h11's is
+    16 KiB)."""
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    base = import_from_string(HTTP_PROTOCOLS[http])
+    text = f"request line and headers over {max_header_bytes} bytes\n".encode()
+    too_large = (
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(text), text)
+    )
+
+    class HeaderDeadline(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request on this connection gets the same deadline
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is self._armed and not self.transport.is_closing():  # headers not yet whole
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes:
+                    self.transport.write(too_large)
+                    self.transport.close()
+
+        def _arm(self) -> None:
+            self._armed, self._header_bytes = self.cycle, 0
+            self.loop.call_later(header_timeout_s, self._expire, self.cycle)
+
+        def _expire(self, cycle: Any) -> None:
+            idle = cycle is None or cycle.response_complete  # not a pipelined request being answered
+            if self.cycle is cycle and idle and not self.transport.is_closing():  # none started since
+                self.transport.close()
+
+    return HeaderDeadline
+
+
+class DeadlineReader(io.RawIOBase):
+    """A socket's reads for a stdlib HTTP server, all due by one deadline (each read waits at most the
+    time left, then raises TimeoutError, which `BaseHTTPRequestHandler` answers by closing): a per-read
+    socket timeout alone lets a client that sends a byte now and then hold its thread for ever."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        super().__init__()
+        self.sock, self.deadline = sock, time.monotonic() + timeout_s
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not received in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)

@@ -61,7 +61,7 @@ from tirl.agent.framing import Piece, encode_framed
 from tirl.agent.protocol import ToolCall, count_answer_blocks, parse_tool_calls
 from tirl.agent.trajectory import ToolCallRecord, ToolCallStatus, Trajectory, generated_runs
 from tirl.engines.base import EnginePool, SamplingParams
-from tirl.http_guard import GuardPolicy, HTTPGuard, Refusal, unguessable_id
+from tirl.http_guard import GuardPolicy, HTTPGuard, Refusal, header_deadline_protocol, unguessable_id
 
 DriftPolicy = Literal["keep", "error"]
 
@@ -873,6 +873,7 @@ class OpenAIEndpoint:
             port=port,
             log_level="warning",
             timeout_keep_alive=KEEP_ALIVE_S,
+            http=header_deadline_protocol(),  # uvicorn has no deadline for a request's headers
         )
         self._server = uvicorn.Server(config)
         self._loop = asyncio.new_event_loop()

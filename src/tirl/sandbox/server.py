@@ -33,7 +33,13 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tirl.http_guard import LOOPBACK_HOSTS, GuardPolicy, HTTPGuard
+from tirl.http_guard import (
+    HEADER_TIMEOUT_S,  # noqa: F401 (this service's, named in its docstring)
+    LOOPBACK_HOSTS,
+    GuardPolicy,
+    HTTPGuard,
+    header_deadline_protocol,
+)
 from tirl.sandbox.body_budget import BodyBudget
 from tirl.sandbox.fusion import PYTHON_NAMES, RunCodeRequest, to_fusion
 from tirl.sandbox.limits import MiB, host_memory_bytes
@@ -49,8 +55,7 @@ MAX_RESPONSE_BYTES = 32 * MiB  # the JSON of a reply, as sent (reply.py); larger
 # Request bodies held at once, queued and running: room for the largest body and more. A waiting
 # request holds its body about three times (raw, parsed JSON, validated model).
 MAX_INFLIGHT_BYTES = 2 * MAX_BODY_BYTES
-HEADER_TIMEOUT_S = 10.0
-BODY_TIMEOUT_S = 60.0
+BODY_TIMEOUT_S = 60.0  # a 64 MiB body on a slow link; HEADER_TIMEOUT_S is the guard's (10 s)
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -331,8 +336,10 @@ def create_app(
         body_timeout_s=BODY_TIMEOUT_S,
     )
     # Outermost first: unexpected errors answer 503, then tirl's HTTP guard (Host, Origin, token,
-    # media type, body size), then the body budget, then the app.
-    policy = GuardPolicy(LOOPBACK_HOSTS | set(allowed_hosts), token, max_body_bytes)
+    # media type, body size and deadline), then the body budget, then the app.
+    policy = GuardPolicy(
+        LOOPBACK_HOSTS | set(allowed_hosts), token, max_body_bytes, body_timeout_s=BODY_TIMEOUT_S
+    )
     app.add_middleware(HTTPGuard, policy=policy)
     app.add_middleware(_AnswerUnlessStopped)
     return app
@@ -346,33 +353,6 @@ def check_fits_machine(slots: int, max_memory_mb: int) -> None:
             f"{slots} slots x {max_memory_mb} MiB (the largest memory limit a call may ask for) "
             f"exceed this machine's {total >> 20} MiB: lower --max-memory-mb or --slots"
         )
-
-
-def _protocol(http: str) -> type:
-    """uvicorn's HTTP protocol, closing connections that do not finish a request's headers in time."""
-    from uvicorn.config import HTTP_PROTOCOLS
-    from uvicorn.importer import import_from_string
-
-    base = import_from_string(HTTP_PROTOCOLS[http])
-
-    class HeaderDeadline(base):  # type: ignore[misc, valid-type]
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request on this connection gets the same deadline
-
-        def _arm(self) -> None:
-            cycle = self.cycle
-            self.loop.call_later(HEADER_TIMEOUT_S, self._expire, cycle)
-
-        def _expire(self, cycle: object) -> None:
-            if self.cycle is cycle and not self.transport.is_closing():  # no request started since
-                self.transport.close()
-
-    return HeaderDeadline
 
 
 def serve(
@@ -399,7 +379,7 @@ def serve(
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
-        http=_protocol(http),
+        http=header_deadline_protocol(http),
     )
     server = uvicorn.Server(config)
 

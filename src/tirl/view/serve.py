@@ -7,12 +7,13 @@ DNS-rebinding page cannot read the trajectories the page shows."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tirl.http_guard import GuardPolicy, check
+from tirl.http_guard import HEADER_TIMEOUT_S, DeadlineReader, GuardPolicy, check
 
 
 def make_server(
@@ -22,7 +23,13 @@ def make_server(
     policy = GuardPolicy.for_server(host, allowed_hosts)
 
     class Handler(BaseHTTPRequestHandler):
+        def setup(self) -> None:
+            super().setup()  # a request's line and headers are due whole in HEADER_TIMEOUT_S (slowloris);
+            self.rfile.close()  # its body is never read, and each connection serves one request (HTTP/1.0)
+            self.rfile = io.BufferedReader(DeadlineReader(self.connection, HEADER_TIMEOUT_S))
+
         def do_GET(self) -> None:
+            self.connection.settimeout(None)  # the deadline was for reading; the answer is written whole
             headers = {k.lower(): v for k, v in self.headers.items()}
             if (refusal := check(policy, "GET", self.path, headers)) is not None:
                 answer = json.dumps({"error": refusal.message}).encode()
