@@ -62,8 +62,9 @@ MUTATE_NEW := tirl.rl.advantages tirl.rl.losses tirl.rl.importance tirl.data.fil
 	tirl.engines.versions tirl.distributed.weight_sync.x_layer_group tirl.distributed.weight_sync.x__groups \
 	tirl.distributed.weight_sync.x_plan_ tirl.distributed.weight_sync.x_gathered \
 	tirl.distributed.weight_sync.x__pack tirl.rl.async_rollout tirl.sandbox.session tirl.sandbox.admission
-# What depends on the cluster's shape: the plan, the learners, LoRA.
-MUTATE_SHAPES := tirl.rl.plan tirl.rl.local_learner tirl.rl.ray_learner tirl.rl.lora
+# What depends on the cluster's shape: the plan (its measurement and its planner), the learners, LoRA.
+MUTATE_SHAPES := tirl.rl.plan tirl.rl.memory_probe tirl.rl.planner tirl.rl.local_learner \
+	tirl.rl.ray_learner tirl.rl.lora
 MUTATE ?= $(MUTATE_SPINE) $(MUTATE_NEW) $(MUTATE_SHAPES)
 MUTATE_REV ?= HEAD
 mutate: install

@@ -107,7 +107,7 @@ class Workload:
 
 # The steady state of an update: the trainer accumulates gradients over the step's micro-batches
 # (tirl.rl.policy.Policy.accumulate), so from the second one on its backward runs with the first one's
-# gradients held; two micro-batches measure exactly that.
+# gradients held; two micro-batches measure exactly that (tirl.rl.memory_probe runs them, the plan says so).
 MICRO_BATCHES = 2
 
 
@@ -428,6 +428,9 @@ def packs_whole(cluster: ClusterShape, workload: Workload) -> bool:
     on other GPUs, or all of them when none shares it, read one /dev/shm file."""
     engine = workload.engine
     return cluster.transport == "load" and engine is not None and engine.get("backend", "vllm") == "vllm"
+
+
+# ---- the verdict: what does not fit, each naming the config keys that change it ----
 
 
 def training_fits(plan: Plan) -> bool:
