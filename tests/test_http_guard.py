@@ -192,16 +192,16 @@ def test_a_stalled_body_gets_408_and_a_closed_connection_while_others_are_answer
         assert late.status_code == 200 and late.json() == {"bytes": 3}
 
 
-def drip_until_closed(port: int, seconds: float = 10.0) -> float | None:
+def drip_until_closed(port: int, seconds: float = 20.0) -> float | None:
     """Headers sent a byte every 0.2 s, never finished: how long until the server closed the
     connection (None: it was still open after `seconds`)."""
     with socket.create_connection(("127.0.0.1", port)) as conn:
         start = time.monotonic()
         conn.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         while time.monotonic() - start < seconds:
-            if select.select([conn], [], [], 0.2)[0] and not conn.recv(65536):
-                return time.monotonic() - start
             try:
+                if select.select([conn], [], [], 0.2)[0] and not conn.recv(65536):
+                    return time.monotonic() - start
                 conn.sendall(b"a")
             except OSError:  # reset by the server
                 return time.monotonic() - start
@@ -222,24 +222,37 @@ def test_headers_that_never_end_are_cut_off_by_their_deadline(http):
         assert answer.startswith(b"HTTP/1.1 200 "), answer
 
 
-def test_headers_over_the_size_limit_are_refused_and_large_bodies_are_not():
-    """httptools, uvicorn's default parser, reads headers of any size (h11 stops at 16 KiB)."""
-    protocol = header_deadline_protocol("httptools", max_header_bytes=64 << 10)
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_pipelined_request_is_not_cut_off_while_it_is_answered(http):
+    """The second of two pipelined requests starts when the first is answered, its headers long
+    received: the header deadline must not close the connection while the app works on it."""
+    protocol = header_deadline_protocol(http, header_timeout_s=1.0)
+    request = b"POST /late HTTP/1.1\r\n" + HEADERS + b"Content-Length: 2\r\n\r\n[]"
     with served(HTTPGuard(echo, GuardPolicy.for_server()), http=protocol) as port:
         with socket.create_connection(("127.0.0.1", port)) as conn:
-            conn.sendall(b"GET /echo HTTP/1.1\r\n" + HEADERS)
-            try:
-                for _ in range(64):  # 4 MiB of headers, unless the server closes first
-                    conn.sendall(b"X-Big: " + b"a" * (64 << 10) + b"\r\n")
-            except OSError:
-                pass
-            answer = until_closed(conn)
+            conn.sendall(request + request)  # each is answered 1.5 s after its body
+            conn.settimeout(30)
+            answers = b""
+            while answers.count(b'{"bytes": 2}') < 2 and (chunk := conn.recv(65536)):
+                answers += chunk
+        assert answers.count(b"HTTP/1.1 200 ") == 2, answers
+
+
+def test_headers_over_the_size_limit_are_refused_and_large_bodies_are_not():
+    """httptools, uvicorn's default parser, reads headers of any size (h11 stops at 16 KiB)."""
+    protocol = header_deadline_protocol("httptools", max_header_bytes=4096)
+    with served(HTTPGuard(echo, GuardPolicy.for_server()), http=protocol) as port:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"GET /echo HTTP/1.1\r\n" + HEADERS + b"X-Big: " + b"a" * 8192 + b"\r\n")
+            answer = until_closed(conn)  # the headers have not ended: without a limit, it waits
         assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
-        big = b"[" + b"1," * (1 << 20) + b"1]"  # 2 MiB: the size limit is for headers only
-        headers = {**JSON, "X-Pad": "p" * 8000}
+        assert b"request line and headers over 4096 bytes" in answer
+        big = b"[" + b"1," * (1 << 20) + b"1]"  # 2 MiB: the limit is for headers only, per request
+        headers = {**JSON, "X-Pad": "p" * 3000}
         with httpx.Client(timeout=30) as client:
-            response = client.post(f"http://127.0.0.1:{port}/echo", content=big, headers=headers)
-        assert response.status_code == 200 and response.json() == {"bytes": len(big)}
+            for _ in range(2):
+                response = client.post(f"http://127.0.0.1:{port}/echo", content=big, headers=headers)
+                assert response.status_code == 200 and response.json() == {"bytes": len(big)}
 
 
 @pytest.mark.parametrize("token", [None, "t0k"])
