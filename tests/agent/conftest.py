@@ -42,7 +42,7 @@ CFG_TWO_TOOLS = CFG.model_copy(
         "tool_output_max_chars": 64,  # the traceback's head and tail: short enough to teach quickly
     }
 )
-SLOW_S = 3.0  # the "mul" tool call sleeps this long
+SLOW_S = 0.5  # the "mul" tool call sleeps this long (long enough to measure; every "mul" run waits it)
 # A hang guard: only a hung loop reaches it. `make mutate` lowers it, so that a mutant that hangs is
 # killed in a minute instead of five (the cached taught model answers in seconds).
 HANG_S = float(os.environ.get("TIRL_TEST_HANG_S", "300"))
