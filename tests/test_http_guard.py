@@ -118,6 +118,7 @@ def test_the_body_deadline_must_be_a_positive_number_of_seconds():
 # The guard against real servers. The app reads a body and answers its length; /late waits on the
 # connection (as the endpoint's disconnect watch does) well past the body deadline before answering.
 HEADERS = b"Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+GET = b"GET /echo HTTP/1.1\r\n" + HEADERS + b"\r\n"
 
 
 async def echo(scope: dict, receive, send) -> None:
@@ -192,12 +193,12 @@ def test_a_stalled_body_gets_408_and_a_closed_connection_while_others_are_answer
         assert late.status_code == 200 and late.json() == {"bytes": 3}
 
 
-def drip_until_closed(port: int, seconds: float = 20.0) -> float | None:
-    """Headers sent a byte every 0.2 s, never finished: how long until the server closed the
-    connection (None: it was still open after `seconds`)."""
+def drip_until_closed(port: int, first: bytes = b"", seconds: float = 20.0) -> float | None:
+    """Headers sent a byte every 0.2 s, never finished (after the whole request `first`, if given):
+    how long until the server closed the connection (None: it was still open after `seconds`)."""
     with socket.create_connection(("127.0.0.1", port)) as conn:
         start = time.monotonic()
-        conn.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        conn.sendall(first + b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         while time.monotonic() - start < seconds:
             try:
                 if select.select([conn], [], [], 0.2)[0] and not conn.recv(65536):
@@ -215,11 +216,29 @@ def test_headers_that_never_end_are_cut_off_by_their_deadline(http):
     with served(HTTPGuard(echo, GuardPolicy.for_server()), http=protocol) as port:
         closed_after = drip_until_closed(port)
         assert closed_after is not None and closed_after > 0.9, closed_after
-        # a keep-alive connection gets the same deadline for its next request's headers
-        with socket.create_connection(("127.0.0.1", port)) as conn:
-            conn.sendall(b"GET /echo HTTP/1.1\r\n" + HEADERS + b"\r\n")
-            answer = until_closed(conn)
-        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        # a kept-alive connection: the same deadline for its next request's headers
+        closed_after = drip_until_closed(port, first=GET)
+        assert closed_after is not None and closed_after > 0.9, closed_after
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_an_idle_kept_alive_connection_is_left_to_the_keep_alive_timeout(http):
+    """Between requests a connection idles as long as uvicorn's keep-alive allows (the endpoint's is
+    75 s, longer than its clients', so that the server does not close one a client is reusing)."""
+    protocol = header_deadline_protocol(http, header_timeout_s=1.0)
+    app = HTTPGuard(echo, GuardPolicy.for_server())
+    with (
+        served(app, http=protocol, timeout_keep_alive=60) as port,
+        socket.create_connection(("127.0.0.1", port)) as conn,
+    ):
+        conn.settimeout(30)
+        for _ in range(2):
+            conn.sendall(GET)
+            answer = b""
+            while not answer.endswith(b'{"bytes": 0}') and (chunk := conn.recv(65536)):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            time.sleep(2.5)  # idle past the header deadline
 
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])

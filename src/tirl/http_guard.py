@@ -253,8 +253,8 @@ def header_deadline_protocol(
     http: str = "auto", header_timeout_s: float = HEADER_TIMEOUT_S, max_header_bytes: int = MAX_HEADER_BYTES
 ) -> type:
     """uvicorn's HTTP protocol (`http`: a name of uvicorn's `--http`), closing a connection that does
-    not send a request's headers whole within `header_timeout_s` of connecting or of its last answer,
-    or sends more than `max_header_bytes` before they end (431). uvicorn has no deadline at all (an
+    not send a request's headers whole within `header_timeout_s` of connecting or of the request's
+    first byte, or sends more than `max_header_bytes` before they end (431). uvicorn has no deadline at all (an
     idle or dripping connection is held for ever), and its httptools parser no size limit (h11's is
     16 KiB)."""
     from uvicorn.config import HTTP_PROTOCOLS
@@ -270,13 +270,17 @@ def header_deadline_protocol(
     class HeaderDeadline(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._arm()
+            self._arm()  # a new connection owes its first request's headers at once
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._arm()  # the next request on this connection gets the same deadline
+            # Idle between requests, uvicorn's keep-alive timeout rules (the endpoint's is long on
+            # purpose); the next request's headers are due from its first byte on.
+            self._armed, self._header_bytes, self._timer = self.cycle, 0, None
 
         def data_received(self, data: bytes) -> None:
+            if self._timer is None:
+                self._arm()
             super().data_received(data)
             if self.cycle is self._armed and not self.transport.is_closing():  # headers not yet whole
                 self._header_bytes += len(data)
@@ -286,7 +290,7 @@ def header_deadline_protocol(
 
         def _arm(self) -> None:
             self._armed, self._header_bytes = self.cycle, 0
-            self.loop.call_later(header_timeout_s, self._expire, self.cycle)
+            self._timer = self.loop.call_later(header_timeout_s, self._expire, self.cycle)
 
         def _expire(self, cycle: Any) -> None:
             idle = cycle is None or cycle.response_complete  # not a pipelined request being answered
