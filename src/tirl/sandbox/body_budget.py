@@ -8,12 +8,11 @@ only as far as the app asks, plus one small buffer), so concurrent uploads canno
 service's memory past the budget: before, a body was counted only after it was read whole, and
 uploads that started together all passed the check. The reservation is held until the answer is
 sent (a waiting request keeps its body), then given back. A body larger than `max_body_bytes`
-answers 413, one that does not arrive within `body_timeout_s` 408.
+answers 413. (A body that does not arrive in time is the HTTP guard's to answer: tirl.http_guard.)
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +37,10 @@ class _Holding:
 
 
 class BodyBudget:
-    """ASGI middleware: reserve, read (bounded in size and time), hand the body on, give it back."""
+    """ASGI middleware: reserve, read (bounded in size), hand the body on, give it back."""
 
-    def __init__(self, app: Any, budget_bytes: int, max_body_bytes: int, body_timeout_s: float) -> None:
+    def __init__(self, app: Any, budget_bytes: int, max_body_bytes: int) -> None:
         self.app, self.budget_bytes, self.max_body_bytes = app, budget_bytes, max_body_bytes
-        self.body_timeout_s = body_timeout_s
         self.reserved = 0  # bytes held by requests reading or holding their bodies
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -55,12 +53,9 @@ class BodyBudget:
                 if declared is not None and declared > self.max_body_bytes:
                     raise self._too_large()
                 self._reserve(holding, declared if declared is not None else STEP_BYTES)
-                body = await asyncio.wait_for(self._read(receive, holding, declared), self.body_timeout_s)
+                body = await self._read(receive, holding, declared)
             except _Refused as refused:
                 return await refused.response()(scope, receive, send)
-            except TimeoutError:
-                message = f"request body not received within {self.body_timeout_s:g} s"
-                return await JSONResponse({"error": message}, status_code=408)(scope, receive, send)
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.reserved -= holding.bytes  # given back once, however the request ended

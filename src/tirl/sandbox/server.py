@@ -333,7 +333,6 @@ def create_app(
         BodyBudget,
         budget_bytes=max_inflight_bytes,
         max_body_bytes=max_body_bytes,
-        body_timeout_s=BODY_TIMEOUT_S,
     )
     # Outermost first: unexpected errors answer 503, then tirl's HTTP guard (Host, Origin, token,
     # media type, body size and deadline), then the body budget, then the app.
