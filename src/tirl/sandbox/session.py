@@ -98,6 +98,7 @@ class Session:
         req = {"session": True, "code": "", "stdin": "", "limits": process_limits.model_dump()}
         result = await self._exchange(req, self.limits.timeout_s + 10, first=True)
         self._pause()
+        self.last_used = time.monotonic()  # idle from now: a slow start is not idle time the reaper counts
         return result
 
     async def run_cell(self, code: str, stdin: str, timeout: float) -> ExecResult:
