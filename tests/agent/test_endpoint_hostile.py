@@ -6,6 +6,7 @@ off by their client, whose engine leases must come back (a real RolloutScheduler
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -215,6 +216,7 @@ def test_a_malformed_request_answers_400_not_500(served, content, error):
         ("stop", [""]),
         ("stop", ["x"] * 100),
         ("stop", 5),
+        ("n", 0),
     ],
 )
 def test_out_of_range_sampling_parameters_are_refused(served, field, value):
@@ -223,6 +225,45 @@ def test_out_of_range_sampling_parameters_are_refused(served, field, value):
     assert resp.status_code == 400, resp.text
     assert field in resp.json()["error"]["message"]
     assert engine.calls == 0 and held(pool) == 0
+
+
+def post_raw(endpoint: OpenAIEndpoint, tid: str, body: dict) -> httpx.Response:
+    """`body` as JSON with non-ASCII escaped, as Python's json writes it: lone surrogates included."""
+    url = f"{endpoint.url}/t/{tid}/v1/chat/completions"
+    return httpx.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+
+def test_undecodable_tool_output_and_null_text_parts_answer_200_not_500(tokenizer):
+    """A program printed bytes that are not UTF-8: an agent decoding them with surrogateescape sends
+    lone surrogates (`"\\udcff"` in its JSON); a content part may carry `"text": null`. Both reached
+    the tokenizer or a str join and answered 500 ("the engine failed this turn")."""
+    endpoint = OpenAIEndpoint(ChatRecorder(RolloutScheduler([Canned(tokenizer)]), tokenizer))
+    try:
+        _undecodable_tool_output(endpoint)
+    finally:
+        endpoint.close()
+
+
+def _undecodable_tool_output(endpoint: OpenAIEndpoint) -> None:
+    tid = endpoint.trajectory_id("t")
+    first = chat(endpoint, tid).json()["choices"][0]["message"]
+    output = b"bytes \xff\xfe <|im_end|>".decode("utf-8", "surrogateescape")
+    history = [
+        *MESSAGES,
+        first,
+        {"role": "tool", "tool_call_id": "c1", "content": output},
+        {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": None}]},
+        {"role": "user", "content": "and \ud800 this?"},
+    ]
+    resp = post_raw(endpoint, tid, {"messages": history})
+    assert resp.status_code == 200, resp.text
+    again = [*history, resp.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    assert post_raw(endpoint, tid, {"messages": again}).status_code == 200, "the history did not match"
+    traj = httpx.post(f"{endpoint.url}/t/{tid}/finish", headers={"Content-Type": "application/json"}).json()
+    assert (
+        "bytes \ufffd\ufffd <|im_end|>" in traj["response_text"]
+        and "and \ufffd this?" in traj["response_text"]
+    )
 
 
 def test_bodies_are_bounded_while_they_are_read(tokenizer):

@@ -148,12 +148,41 @@ class ChatRequest(BaseModel):
         return stop
 
 
+# JSON may escape a lone surrogate (`"\ud800"`: undecodable bytes a tool's output held, decoded with
+# surrogateescape); json.loads joins real pairs, so any surrogate left in a str is a lone one.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(value: Any) -> Any:
+    """A copy of `value` with every lone surrogate in its strings (keys included) replaced by U+FFFD:
+    the tokenizer cannot encode one (a 500 deep in a turn), and tirl's own tool text shows such bytes
+    so. Iterative: a body may nest as deeply as json.loads allows."""
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(value, root, 0)]
+    while stack:
+        item, parent, key = stack.pop()
+        if isinstance(item, str):
+            parent[key] = _LONE_SURROGATE.sub("\ufffd", item)
+        elif isinstance(item, list):
+            parent[key] = copy = [None] * len(item)
+            stack += [(v, copy, i) for i, v in enumerate(item)]
+        elif isinstance(item, dict):
+            parent[key] = copy = {}
+            for k, v in item.items():
+                k = _LONE_SURROGATE.sub("\ufffd", k) if isinstance(k, str) else k
+                copy[k] = None  # keeps the keys' order
+                stack.append((v, copy, k))
+        else:
+            parent[key] = item
+    return root[0]
+
+
 def parse_request(request: Any) -> ChatRequest:
     """The request body as a ChatRequest, or a 400 that names each wrong field."""
     if not isinstance(request, dict):
         raise ChatError(400, f"the body must be a JSON object, not {type(request).__name__}")
     try:
-        req = ChatRequest.model_validate(request)
+        req = ChatRequest.model_validate(_valid_unicode(request))
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:8]
@@ -161,7 +190,7 @@ def parse_request(request: Any) -> ChatRequest:
         raise ChatError(400, f"invalid request: {problems}") from None
     if req.stream:
         raise ChatError(400, "stream=true is not supported: the recorder answers whole turns")
-    if (req.n or 1) != 1:
+    if req.n is not None and req.n != 1:
         raise ChatError(400, "n must be 1: one trajectory is one sequence of turns")
     if not req.messages:
         raise ChatError(400, "messages is empty")
@@ -249,7 +278,7 @@ def _norm_message(m: dict) -> dict:
         calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
     content = m.get("content") or ""
     if isinstance(content, list):  # content parts: the text ones, joined
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
     return {"role": m.get("role"), "content": content, "tool_calls": calls}
 
 
