@@ -138,6 +138,31 @@ def test_lone_surrogates_and_hostile_names_render(browser, tmp_path):
     page.close()
 
 
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_page_link_in_a_shared_run_is_not_written_through(tmp_path, dangling):
+    """A shared run holding `view.html -> ~/.bashrc` (or a link to a file not there yet): viewing it
+    wrote the page into that file. It is refused with one line, the linked file untouched."""
+    run = tmp_path / "shared-run"
+    run.mkdir()
+    write_jsonl(run / "trajectories.jsonl", [_hostile_record(1)])
+    victim = tmp_path / "home" / ".bashrc"
+    victim.parent.mkdir()
+    if not dangling:
+        victim.write_text("export PATH=$HOME/bin:$PATH\n")
+    (run / "view.html").symlink_to(victim)
+    result = CliRunner().invoke(app, ["view", str(run)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and "is a symbolic link" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    if dangling:
+        assert not victim.exists()
+    else:
+        assert victim.read_text() == "export PATH=$HOME/bin:$PATH\n"
+    page = tmp_path / "page.html"  # --out names a file of the user's own: written
+    assert CliRunner().invoke(app, ["view", str(run), "--out", str(page)]).exit_code == 0
+    assert page.read_text().startswith("<!")
+
+
 def test_a_record_of_the_wrong_shape_is_one_line_not_a_traceback(tmp_path):
     path = tmp_path / "t.jsonl"
     write_jsonl(path, [{**_hostile_record(1), "response_text": 7}])

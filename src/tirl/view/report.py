@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import re
 from importlib.resources import files
 from pathlib import Path
@@ -89,5 +90,21 @@ def write_view(path: str | Path, out: str | Path | None = None) -> tuple[Path, i
     if target.is_dir():
         raise ViewError(f"--out {target} is a directory: give a file name such as {target / 'view.html'}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(build_html(source), encoding="utf-8")
+    _write_unfollowed(target, build_html(source))
     return target, len(source.records)
+
+
+def _write_unfollowed(target: Path, text: str) -> None:
+    """Write `target` itself, never through a symbolic link at its path: a run directory someone shared
+    may hold `view.html -> ~/.bashrc`, and viewing the run would overwrite that file with the page."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if not target.is_symlink():
+            raise
+        raise ViewError(
+            f"{target} is a symbolic link (to {os.readlink(target)}): tirl view writes its page only to a "
+            "file of its own; remove the link, or give --out FILE"
+        ) from e
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
