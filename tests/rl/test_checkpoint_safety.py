@@ -87,6 +87,27 @@ def test_a_trainer_state_that_runs_code_is_refused_on_resume(trained, tiny_model
     assert not marker.exists()
 
 
+def test_a_run_whose_files_link_outside_it_is_refused_before_anything_is_written(tiny_model_dir, tmp_path):
+    """A shared run holding `metrics.jsonl -> ~/.config/autostart/x.desktop` (a file not there yet) and
+    `trajectories.jsonl -> ~/notes`: resuming it appended to the first and truncated the second.
+    Refused with one line, both untouched."""
+    config = write_train_config(tmp_path, tiny_model_dir, steps=1)
+    assert CliRunner().invoke(app, ["train", "--config", str(config), "--quiet"]).exit_code == 0
+    run = tmp_path / "runs" / "r"
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes").write_text('{"step": 9}\n')
+    for name, victim in [("metrics.jsonl", "autostart"), ("trajectories.jsonl", "notes")]:
+        (run / name).unlink(missing_ok=True)
+        (run / name).symlink_to(home / victim)
+    config = write_train_config(tmp_path, tiny_model_dir, steps=2)
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--resume", "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "is a symbolic link to" in result.output and str(home) in result.output
+    assert sorted(p.name for p in home.iterdir()) == ["notes"]
+    assert (home / "notes").read_text() == '{"step": 9}\n'
+
+
 def test_shard_metadata_that_names_code_is_refused(trained, tmp_path):
     run, _ = trained
     ckpt, marker = latest_checkpoint(run), tmp_path / "ran"

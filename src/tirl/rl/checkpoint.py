@@ -34,6 +34,7 @@ from pydantic import BaseModel
 from tirl.agent.config import AgentConfig
 from tirl.config import ConfigError, dump_config, ensure_writable_dir, read_yaml, validate
 from tirl.distributed.checkpoint_reader import CheckpointRefused, load_safely, unsafe_reason
+from tirl.rl.model_files import outside_links
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 AGENT_FILE = "tirl_agent.yaml"
@@ -328,6 +329,7 @@ def prepare_run_dir(
     A run stopped before its first checkpoint has nothing to resume: with or without --resume it starts
     over in the same directory (its partial metrics are dropped)."""
     run_dir = Path(run_dir)
+    refuse_outside_links(run_dir)
     ckpt = latest_checkpoint(run_dir)
     if resume and ckpt is not None:
         say(f"resuming {run_dir} from {ckpt.name} (step {int(STEP_DIR.match(ckpt.name).group(1))})")
@@ -348,6 +350,22 @@ def prepare_run_dir(
         ensure_writable_dir(run_dir, "run directory (output_dir/run_name)", private=True)
         dump_config(cfg, run_dir / "config.yaml")
     return None
+
+
+def refuse_outside_links(run_dir: Path) -> None:
+    """A run directory someone shared may hold `metrics.jsonl -> ~/.bashrc`: training appends to,
+    truncates and replaces its files, so a link leading outside the run is refused before any write."""
+    if not run_dir.is_dir():
+        return
+    found = outside_links(run_dir)
+    if found:
+        link, target = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise ConfigError(
+            f"run directory {run_dir}: {link.relative_to(run_dir.resolve())} is a symbolic link to {target}, "
+            f"outside the run{more}; training writes the run's files in place and would write there: "
+            "remove the link"
+        )
 
 
 def read_saved_training_state(ckpt: Path) -> dict:
