@@ -12,9 +12,11 @@ or scores them is the product's own.
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
+from rich.console import Console
 from tests.agent.conftest import CFG
 from tests.agent.scripted import call
 
@@ -24,6 +26,7 @@ from tirl.agent.protocol import TOOL_SCHEMA, encode
 from tirl.agent.tools import ToolContext, close_tools, toolbox
 from tirl.data.problem import Problem
 from tirl.engines.base import Generation, SamplingParams, SingleEnginePool
+from tirl.eval.chat import _answer
 from tirl.eval.config import EvalConfig
 from tirl.eval.evaluate import evaluate
 from tirl.reward import RewardConfig, RewardPool
@@ -158,3 +161,24 @@ async def run_python(sandbox, arguments: str) -> str:
     finally:
         await close_tools(tools)
     return result.text
+
+
+# Erases the line above, then prints a fake answer line and sets the terminal's clipboard (OSC 52,
+# which many terminals obey), with no escape character in its source.
+TERMINAL_FORGER = (
+    "e = chr(27)\n"
+    "print(e + '[2K' + e + '[1A' + 'answer: 7   finish: answered' + e + ']52;c;cm0gLXJmIH4=' + e + chr(92))\n"
+)
+
+
+async def test_tirl_chat_shows_a_programs_terminal_controls_as_text(tokenizer, sandbox):
+    """`tirl chat` printed tool output as it was: a program could erase lines, forge the answer line
+    the user reads and write the clipboard. Control characters are now shown escaped."""
+    model = ScriptedModel(tokenizer, [" " + call(TERMINAL_FORGER), NO_ANSWER])
+    rt = Runtime([model], SingleEnginePool(model), sandbox, None, tokenizer)
+    out = io.StringIO()
+    await _answer(rt, PROBLEM, CFG_FORGE, Console(file=out, width=300, color_system=None), seed=0)
+    shown = out.getvalue()
+    assert "\x1b" not in shown and "\x9b" not in shown  # rich adds none without a color system
+    assert "\\x1b[2K\\x1b[1Aanswer: 7   finish: answered\\x1b]52;c;cm0gLXJmIH4=\\x1b\\" in shown
+    assert "answer: (none)   finish: no_answer" in shown

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import re
 
 from rich.console import Console
 from rich.panel import Panel
@@ -21,6 +22,9 @@ from tirl.reward import extract_answer
 from tirl.runtime import ClusterConfig, Runtime, open_runtime
 
 PROMPT = "problem> "
+# Terminal control characters (ESC, CSI, BEL, ...; newline and tab excepted): a program's output, or the
+# model's text, could erase lines, move the cursor over the answer line, or set the clipboard (OSC 52).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 CONTEXT_FOR_PROMPT = 4096  # room for the system prompt, tool schema and the typed problem
 
 
@@ -58,15 +62,17 @@ async def _answer(runtime: Runtime, problem: Problem, cfg: AgentConfig, console:
     def on_event(kind: str, payload: dict) -> None:
         if kind == "turn":
             console.print(
-                Panel(Text(payload["text"]), title=f"turn {payload['turn'] + 1}", title_align="left")
+                Panel(Text(shown(payload["text"])), title=f"turn {payload['turn'] + 1}", title_align="left")
             )
         elif kind == "tool_call":
-            code = Syntax(payload["code"], "python", word_wrap=True)
+            code = Syntax(shown(payload["code"]), "python", word_wrap=True)
             console.print(Panel(code, title="tool call", border_style="cyan", title_align="left"))
         elif kind == "tool_result":
             style = "green" if payload["status"] == "ok" else "red"
             title = f"tool result ({payload['status']})"
-            console.print(Panel(Text(payload["text"]), title=title, border_style=style, title_align="left"))
+            console.print(
+                Panel(Text(shown(payload["text"])), title=title, border_style=style, title_align="left")
+            )
 
     traj = await run_trajectory(
         runtime.pool,
@@ -83,4 +89,10 @@ async def _answer(runtime: Runtime, problem: Problem, cfg: AgentConfig, console:
     summary += f"   turns: {traj.turns}   tool calls: {traj.num_tool_calls}   tokens: {traj.response_length}"
     if traj.error:
         summary += f"   error: {traj.error}"
-    console.print(Text(summary, style="bold"))
+    console.print(Text(shown(summary), style="bold"))
+
+
+def shown(text: str) -> str:
+    """`text` with every terminal control character written as its escape (`\\x1b`), so it is shown,
+    never obeyed."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
