@@ -364,7 +364,8 @@ def refuse_outside_links(run_dir: Path) -> None:
         raise ConfigError(
             f"run directory {run_dir}: {link.relative_to(run_dir.resolve())} is a symbolic link to {target}, "
             f"outside the run{more}; training writes the run's files in place and would write there: "
-            "remove the link"
+            "remove the link (to keep a run on another disk, set output_dir there or link the run "
+            "directory itself)"
         )
 
 
