@@ -187,6 +187,8 @@ def test_a_token_is_required_when_configured(tokenizer):
         (b'{"messages": [], "max_tokens": 8}', "messages is empty"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "n": 3}', "n must be 1"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}', "stream"),
+        # 20k objects: validating them holds the GIL, so the event loop, for ~0.2 s (4 MiB: seconds)
+        (json.dumps({"messages": [{"role": "user", "content": ""}] * 20_000}).encode(), "more than 20000"),
     ],
 )
 def test_a_malformed_request_answers_400_not_500(served, content, error):
