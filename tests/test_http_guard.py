@@ -266,6 +266,10 @@ def test_headers_over_the_size_limit_are_refused_and_large_bodies_are_not():
             answer = until_closed(conn)  # the headers have not ended: without a limit, it waits
         assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
         assert b"request line and headers over 4096 bytes" in answer
+        with socket.create_connection(("127.0.0.1", port)) as conn:  # whole, in one piece: no app call
+            conn.sendall(b"GET /echo HTTP/1.1\r\n" + HEADERS + b"X-Big: " + b"a" * 8192 + b"\r\n\r\n")
+            answer = until_closed(conn)
+        assert answer.startswith(b"HTTP/1.1 431 ") and answer.count(b"HTTP/1.1") == 1, answer[:200]
         big = b"[" + b"1," * (1 << 20) + b"1]"  # 2 MiB: the limit is for headers only, per request
         headers = {**JSON, "X-Pad": "p" * 3000}
         with httpx.Client(timeout=30) as client:

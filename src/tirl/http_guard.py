@@ -270,26 +270,58 @@ def header_deadline_protocol(
     class HeaderDeadline(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self._header_bytes = self._raw_header_bytes = 0  # parsed, and raw while incomplete
+            self._in_headers = False
             self._arm()  # a new connection owes its first request's headers at once
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             # Idle between requests, uvicorn's keep-alive timeout rules (the endpoint's is long on
             # purpose); the next request's headers are due from its first byte on.
-            self._armed, self._header_bytes, self._timer = self.cycle, 0, None
+            self._armed, self._timer = self.cycle, None
 
         def data_received(self, data: bytes) -> None:
             if self._timer is None:
                 self._arm()
             super().data_received(data)
-            if self.cycle is self._armed and not self.transport.is_closing():  # headers not yet whole
-                self._header_bytes += len(data)
-                if self._header_bytes > max_header_bytes:
-                    self.transport.write(too_large)
-                    self.transport.close()
+            if self._in_headers:  # still arriving (dripped, or in large pieces): the raw bytes count
+                self._raw_header_bytes += len(data)
+                if self._raw_header_bytes > max_header_bytes and not self.transport.is_closing():
+                    self._refuse_headers()
+
+        # The size is counted between httptools' own callbacks, so that only a request's line and
+        # headers count, never the rest of an earlier request's body still arriving (h11 has its own
+        # limit and none of these callbacks).
+        def on_message_begin(self) -> None:
+            self._header_bytes = self._raw_header_bytes = 0
+            self._in_headers = True
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._header_bytes += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_bytes += len(name) + len(value) + 4  # ": " and CRLF
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            if self._header_bytes > max_header_bytes:
+                self._refuse_headers()
+                raise ValueError("request headers too large")  # stops the parser: no app call
+            super().on_headers_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            if not self.transport.is_closing():  # not after this class's 431
+                super().send_400_response(msg)
+
+        def _refuse_headers(self) -> None:
+            self.transport.write(too_large)
+            self.transport.close()
 
         def _arm(self) -> None:
-            self._armed, self._header_bytes = self.cycle, 0
+            self._armed = self.cycle
             self._timer = self.loop.call_later(header_timeout_s, self._expire, self.cycle)
 
         def _expire(self, cycle: Any) -> None:
