@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from tirl.agent.config import AgentConfig
 from tirl.config import ConfigError, dump_config, ensure_writable_dir, read_yaml, validate
 from tirl.distributed.checkpoint_reader import CheckpointRefused, load_safely, unsafe_reason
-from tirl.rl.model_files import outside_links
+from tirl.rl.model_files import outside_link_message, outside_links
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 AGENT_FILE = "tirl_agent.yaml"
@@ -359,13 +359,10 @@ def refuse_outside_links(run_dir: Path) -> None:
         return
     found = outside_links(run_dir)
     if found:
-        link, target = found[0]
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise ConfigError(
-            f"run directory {run_dir}: {link.relative_to(run_dir.resolve())} is a symbolic link to {target}, "
-            f"outside the run{more}; training writes the run's files in place and would write there: "
-            "remove the link (to keep a run on another disk, set output_dir there or link the run "
-            "directory itself)"
+            f"run directory {run_dir}: {outside_link_message(run_dir, found, 'the run')}; training writes "
+            "the run's files in place and would write there: remove the link (to keep a run on another "
+            "disk, set output_dir there or link the run directory itself)"
         )
 
 

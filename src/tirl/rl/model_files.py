@@ -38,16 +38,20 @@ def outside_links(directory: str | Path) -> list[tuple[Path, Path]]:
     return sorted(found)
 
 
+def outside_link_message(directory: str | Path, found: list[tuple[Path, Path]], outside: str) -> str:
+    """The first of `outside_links`' finds in words: "<link> is a symbolic link to <target>, outside ..."."""
+    link, target = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return f"{link.relative_to(Path(directory).resolve())} is a symbolic link to {target}, outside {outside}{more}"
+
+
 def check_links(directory: str | Path, what: str) -> None:
     """Refuse (ValueError, one line) a directory holding a link that points outside it."""
     bad = outside_links(directory)
     if bad:
-        link, target = bad[0]
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise ValueError(
-            f"{what} {directory}: {link.relative_to(Path(directory).resolve())} is a symbolic link to "
-            f"{target}, outside the directory{more}: only what the directory holds is copied; replace "
-            "the link by the file it should be, or remove it"
+            f"{what} {directory}: {outside_link_message(directory, bad, 'the directory')}: only what the "
+            "directory holds is copied; replace the link by the file it should be, or remove it"
         )
 
 
