@@ -51,7 +51,8 @@ EVERY_COMMAND = [DOCS / "engines.md", DOCS / "lora.md", DOCS / "memory-plan.md"]
 
 # The demo at the smallest size that still runs every phase (as tests/demo/test_demo.py).
 MICRO_DEMO = [
-    "demo.preset=tiny", "demo.drill_steps=1", "demo.copy_drills=8", "drills.batch_size=8",
+    "demo.preset=tiny", "demo.drill_steps=1", "demo.shaped_drill_steps=1", "demo.copy_drills=8",
+    "drills.batch_size=8",
     "demo.sft_problems=24", "demo.rl_problems=8", "demo.heldout_problems=4", "demo.rl_steps=1",
     "sft.epochs=1", "train.algorithm.prompts_per_step=2", "train.algorithm.group_size=2",
     "eval.samples=1", "train.engine.backend=hf", "agent.max_response_tokens=96",

@@ -24,15 +24,28 @@ def test_a_demo_whose_drills_did_not_learn_to_copy_stops_after_them(tmp_path):
     assert not (out / "sft").exists()
 
 
+def test_a_demo_whose_shaped_drills_fell_short_stops_after_them(tmp_path):
+    out = tmp_path / "demo"
+    with pytest.raises(DemoShortfall) as e:  # the copy drills skipped, 1 shaped drill step: no skill
+        run_demo(out, overrides=[*STOP, "demo.drill_steps=0"], progress=False)
+    message = str(e.value)
+    assert message.startswith("shaped drills did not learn to copy") and "\n" not in message
+    assert "raise demo.shaped_drill_steps" in message
+    assert list(json.loads((out / "phases.json").read_text())) == ["traces", "drills", "shaped_drills"]
+    assert not (out / "sft").exists()
+
+
 def test_a_useless_sft_model_is_named_in_one_line_before_rl(tmp_path):
     out = tmp_path / "demo"
     with pytest.raises(DemoShortfall) as e:
-        run_demo(out, overrides=[*STOP, "demo.drill_steps=0"], progress=False)  # no drills: no check
+        # no drills: no check
+        run_demo(out, overrides=[*STOP, "demo.drill_steps=0", "demo.shaped_drill_steps=0"], progress=False)
     message = str(e.value)
     assert message.startswith("the SFT model is useless: it calls the tool in") and "\n" not in message
     assert list(json.loads((out / "phases.json").read_text())) == [
         "traces",
         "drills",
+        "shaped_drills",
         "sft",
         "eval_sft",
     ]  # drills: skipped

@@ -18,7 +18,8 @@ from tirl.demo.pipeline import (
 )
 
 MICRO = [
-    "demo.preset=tiny", "demo.drill_steps=1", "demo.copy_drills=8", "drills.batch_size=8",
+    "demo.preset=tiny", "demo.drill_steps=1", "demo.shaped_drill_steps=1", "demo.copy_drills=8",
+    "drills.batch_size=8",
     "demo.sft_problems=24", "demo.rl_problems=8", "demo.heldout_problems=4",
     "demo.rl_steps=1", "sft.epochs=1", "train.algorithm.prompts_per_step=2", "train.algorithm.group_size=2",
     "eval.samples=1", "train.engine.backend=hf", "agent.max_response_tokens=96", "agent.max_turn_tokens=48", "eval.max_tokens=96",
@@ -162,11 +163,11 @@ def test_an_interrupted_demo_resumes_where_it_stopped(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_demo(out, overrides=MICRO, progress=False)
     finished = json.loads((out / "phases.json").read_text())
-    assert list(finished) == ["traces", "drills", "sft", "eval_sft", "rl"]
+    assert list(finished) == ["traces", "drills", "shaped_drills", "sft", "eval_sft", "rl"]
     assert not (out / "summary.json").exists()
 
     monkeypatch.setattr(pipeline, "_evaluate_into", evaluate_into)
-    for done in ("_write_traces", "_drill", "_sft", "_train"):
+    for done in ("_write_traces", "_drill", "_shaped_drill", "_sft", "_train"):
         monkeypatch.setattr(pipeline, done, lambda *a, _name=done: pytest.fail(f"{_name} ran again"))
     with pytest.raises(DemoError, match="written with other settings"):
         run_demo(out, overrides=[*MICRO, "demo.rl_steps=2"], progress=False, resume=True)

@@ -17,6 +17,7 @@ def test_a_sweep_varies_demo_seed_itself_and_resumes_keeping_finished_seeds(tmp_
     out, quiet = tmp_path / "sweep", lambda _: None
     first = run_demo_seeds(out, 1, [*MICRO, "demo.seed=3"], progress=False, say=quiet)
     assert [r["seed"] for r in first["seeds"]] == [3] and first["seeds"][0]["drill_steps"] == 1
+    assert first["seeds"][0]["shaped_drill_steps"] == 1
     # the whole pipeline under the seed: its data, its model (and drills), its RL run
     assert json.loads((out / "seed3" / "settings.json").read_text())["demo"]["seed"] == 3
     assert read_yaml(out / "seed3" / "rl" / "config.yaml")["seed"] == 3
@@ -24,6 +25,7 @@ def test_a_sweep_varies_demo_seed_itself_and_resumes_keeping_finished_seeds(tmp_
     report = (out / "report.md").read_text()
     assert "# tirl demo over 1 values of demo.seed" in report and "| 3 | 1, " in report
     assert "copy drills did not learn to copy" in report  # a seed that fell short is a row, with why
+    assert "shaped drills did not learn to copy" in report
 
     seed3 = (out / "seed3" / "summary.json").read_text()
     with pytest.raises(DemoError, match="written with other settings"):

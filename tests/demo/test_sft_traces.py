@@ -11,10 +11,12 @@ from tirl.agent.config import AgentConfig
 from tirl.agent.protocol import build_prompt_text, count_answer_blocks, parse_tool_calls
 from tirl.demo.sft_traces import (
     FAILURES,
+    TOOL_PLANS,
     TraceMix,
     copy_drills,
     failed_attempt,
     make_traces,
+    shaped_drills,
     write_traces,
 )
 from tirl.demo.synthetic import generate, guess_range
@@ -57,6 +59,30 @@ async def test_clean_traces_call_the_tool_once_and_answer_correctly(sandbox):
         assert "[ok," in t["completion"]  # the sandbox's real status line
         assert score(t["completion"], p.answer) == 1.0
         assert count_answer_blocks(final) == 1
+
+
+@pytest.mark.asyncio(loop_scope="package")
+async def test_shaped_drills_are_a_clean_traces_first_and_last_turns(sandbox):
+    problems, traces = await traces_of(
+        TraceMix(no_tool=0, code_fix=0, give_up=0, redundant_answer=0), 4, sandbox
+    )
+    drills = shaped_drills(problems, 40, CFG, seed=2)
+    assert [d["kind"] for d in drills] == ["shaped_drill"] * 40
+    by_problem = {p.problem: (p, t) for p, t in zip(problems, traces, strict=True)}
+    codes, answers = drills[0::2], drills[1::2]
+    for d in codes:  # the trace up to its first call, the plan given: the call is what is drilled
+        (p, t), *_ = [
+            v for k, v in by_problem.items() if d["prompt"].startswith(build_prompt_text(None, k, CFG))
+        ]
+        trace = (t["prompt"] + t["completion"]).replace(TOOL_PLANS[1], TOOL_PLANS[0], 1)
+        assert trace.startswith((d["prompt"] + d["completion"]).removesuffix("<|im_end|>"))
+        assert d["completion"].startswith("<tool_call>") and p.meta["code"] in json.dumps(d["completion"])
+    for d in answers:  # a tool response holding the answer: the trace's last turn is drilled
+        answer = d["prompt"].split("<tool_response>\n")[1].split("\n[ok]")[0]
+        (p, t) = next(v for v in by_problem.values() if v[0].answer == answer)
+        assert t["completion"].endswith(d["completion"]) and score(d["completion"], p.answer) == 1.0
+        assert d["prompt"].endswith("<|im_start|>assistant\n" + CFG.prefill)  # the trace's own prefill
+    assert shaped_drills(problems, 40, CFG, seed=2) == drills != shaped_drills(problems, 40, CFG, seed=3)
 
 
 # What the real sandbox or the loop's parser says for each kind of failed first call.

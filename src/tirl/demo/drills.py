@@ -52,6 +52,8 @@ class DrillOutcome:
     target: float
     max_steps: int
     history: list[dict] = field(default_factory=list)  # {"step", "loss", "copy_accuracy"} per check
+    name: str = "copy drills"  # what drilled, in the messages
+    cap_knob: str = "demo.drill_steps"  # the setting that raises the cap
 
     @property
     def learned(self) -> bool:
@@ -61,13 +63,13 @@ class DrillOutcome:
         """One line: what the drills reached (and, short of the target, what to do about it)."""
         if self.learned:
             return (
-                f"copy drills: the model copies {self.accuracy:.0%} of held-out drills exactly after "
+                f"{self.name}: the model copies {self.accuracy:.0%} of held-out drills exactly after "
                 f"{self.steps} steps (target {self.target:.0%})"
             )
         return (
-            f"copy drills did not learn to copy: {self.accuracy:.0%} of held-out drills copied exactly after "
+            f"{self.name} did not learn to copy: {self.accuracy:.0%} of held-out drills copied exactly after "
             f"the cap of {self.max_steps} steps (target {self.target:.0%}); the SFT model would be useless: "
-            "raise demo.drill_steps or drills.optim.lr, or change demo.seed"
+            f"raise {self.cap_knob} or drills.optim.lr, or change demo.seed"
         )
 
     def write(self, run_dir: Path) -> None:
@@ -108,7 +110,13 @@ def copy_accuracy(model: torch.nn.Module, samples, pad_id: int) -> float:
 
 
 def run_drills(
-    cfg: SFTConfig, train: list[dict], heldout: list[dict], rule: StopRule, say=print
+    cfg: SFTConfig,
+    train: list[dict],
+    heldout: list[dict],
+    rule: StopRule,
+    say=print,
+    name: str = "copy drills",
+    cap_knob: str = "demo.drill_steps",
 ) -> DrillOutcome:
     """Train on `train` drills (cfg.batch_size per step, in order) until `rule` stops; saves the model
     as the run's one checkpoint (cfg.run_dir, like `tirl sft`) and the outcome beside it. A run
@@ -129,7 +137,7 @@ def run_drills(
     tokenizer = load_tokenizer(model_path)
     held = _samples(tokenizer, heldout[: rule.heldout], cfg.max_length)
     policy = Policy(model_path, cfg.optim, info, rule.max_steps)
-    outcome = DrillOutcome(0, 0.0, rule.target, rule.max_steps)
+    outcome = DrillOutcome(0, 0.0, rule.target, rule.max_steps, name=name, cap_knob=cap_knob)
     for step in range(1, rule.max_steps + 1):
         batch = _samples(
             tokenizer, train[(step - 1) * cfg.batch_size : step * cfg.batch_size], cfg.max_length
@@ -139,12 +147,12 @@ def run_drills(
         policy.step()
         policy.advance_schedule()
         if not math.isfinite(loss):
-            raise FloatingPointError(f"copy drills: loss {loss} at step {step}: lower drills.optim.lr")
+            raise FloatingPointError(f"{name}: loss {loss} at step {step}: lower drills.optim.lr")
         if rule.checks_at(step):
             acc = copy_accuracy(policy.model, held, policy.pad_id)
             outcome.steps, outcome.accuracy = step, acc
             outcome.history.append({"step": step, "loss": round(loss, 4), "copy_accuracy": round(acc, 4)})
-            say(f"drill step {step}/{rule.max_steps} loss {loss:.4f} held-out copy accuracy {acc:.0%}")
+            say(f"{name} step {step}/{rule.max_steps} loss {loss:.4f} held-out copy accuracy {acc:.0%}")
             if outcome.learned:
                 break
     policy.save(cfg.run_dir, outcome.steps, tokenizer, {"step": outcome.steps, "epoch": 0}, keep_last=1)

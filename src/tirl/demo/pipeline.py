@@ -32,6 +32,7 @@ from tirl.agent.config import AgentConfig
 from tirl.agent.trajectory import tool_error_ratio
 from tirl.config import ConfigError, apply_overrides, read_yaml, validate
 from tirl.demo.checks import Checks, DemoShortfall, drills_shortfall, rl_shortfall, sft_shortfall
+from tirl.demo.drills import OUTCOME_FILE
 from tirl.demo.sft_traces import TraceMix
 from tirl.eval.config import EvalConfig
 from tirl.rl.config import SFTConfig, TrainConfig
@@ -64,6 +65,12 @@ class DemoConfig(BaseModel):
         0.95, gt=0, le=1, description="held-out drills copied exactly that end the drills"
     )
     drill_heldout: int = Field(128, ge=1, description="held-out copy drills the check measures")
+    shaped_drill_steps: int = Field(
+        400, ge=0, description="the cap of drill steps in the traces' shapes after the copy drills (0: none)"
+    )
+    shaped_drill_target: float = Field(
+        0.9, gt=0, le=1, description="held-out shaped drills done exactly that end them"
+    )
     checks: Literal["stop", "warn"] = Field(
         "stop", description="a phase short of its check stops the demo, or warns in report.md"
     )
@@ -277,7 +284,7 @@ def run_demo(
     console = Console(stderr=True, quiet=not progress)
     runs: dict[str, str | None] = {"rl": None} | ({compare: COMPARE[compare]} if compare else {})
     units = [(k, name) for k in range(seeds) for name in runs]  # one RL run + its evaluation each
-    phase = Phases(console, out, total=7 + 2 * len(units), finished=_finished_phases(out))
+    phase = Phases(console, out, total=8 + 2 * len(units), finished=_finished_phases(out))
     started = time.perf_counter()
     # The model and the problems are deterministic and take a second: made again on resume.
     with phase("model", f"create the {settings.demo.preset!r} tiny model"):
@@ -298,6 +305,13 @@ def run_demo(
     )
     checks = Checks(settings.demo.checks, console.print)
     checks.expect(drills_shortfall(out / "drills"))
+    drilled = phase.run(
+        "shaped_drills",
+        f"SFT on drills in the traces' shapes until {settings.demo.shaped_drill_target:.0%} of held-out "
+        f"ones are done exactly (at most {settings.demo.shaped_drill_steps} steps)",
+        partial(_shaped_drill, settings, drilled, sft_problems, out, console.print),
+    )
+    checks.expect(drills_shortfall(out / "shaped_drills"))
     drills = f" + {settings.demo.copy_drills} copy drills" if settings.demo.copy_drills else ""
     sft_model = phase.run(
         "sft",
@@ -425,6 +439,32 @@ def _run_drills(settings: DemoSettings, init_model: Path, out: Path, rule, say: 
     path = write_traces(train, out / "data" / "copy_drills.jsonl")
     cfg = SFTConfig.model_validate(_sft_raw(settings, settings.drills, init_model, path, out))
     return run_drills(cfg, train, heldout, rule, say)
+
+
+def _shaped_drill(
+    settings: DemoSettings, drilled: Path, problems, out: Path, say: Callable[[str], object]
+) -> Path:
+    """Stage 0b: drills in the traces' own shapes (tirl.demo.sft_traces.shaped_drills), from the copy
+    drills' model, until a held-out check passes; the held-out ones come from problems the drills never
+    draw. Skipped when demo.shaped_drill_steps is 0."""
+    from tirl.demo.drills import StopRule, run_drills
+    from tirl.demo.sft_traces import shaped_drills, write_traces
+    from tirl.rl.checkpoint import latest_model_dir
+
+    d = settings.demo
+    if d.shaped_drill_steps == 0:
+        return drilled
+    rule = StopRule(d.shaped_drill_steps, d.drill_check_every, d.shaped_drill_target, d.drill_heldout)
+    held = min(d.drill_heldout, len(problems) // 2)
+    batch = int(settings.drills.get("batch_size", 32))
+    train = shaped_drills(problems[held:], rule.max_steps * batch, settings.agent, d.seed)
+    heldout = shaped_drills(problems[:held], rule.heldout, settings.agent, -1 - d.seed)
+    path = write_traces(train, out / "data" / "shaped_drills.jsonl")
+    raw = settings.drills | {"run_name": "shaped_drills", "max_length": settings.sft.get("max_length", 512)}
+    cfg = SFTConfig.model_validate(_sft_raw(settings, raw, drilled, path, out))
+    outcome = run_drills(cfg, train, heldout, rule, say, "shaped drills", "demo.shaped_drill_steps")
+    say(outcome.message())
+    return latest_model_dir(out / "shaped_drills")
 
 
 def _sft_raw(settings: DemoSettings, raw: dict, init_model: Path, data: Path, out: Path) -> dict:
@@ -622,9 +662,9 @@ def _report(
         "wall_seconds": dict(seconds),
         "warnings": list(warnings or []),
     }
-    drills = out / "drills"
-    if (drills / "drill_outcome.json").exists():
-        summary["drills"] = json.loads((drills / "drill_outcome.json").read_text())
+    for stage in ("drills", "shaped_drills"):
+        if (out / stage / OUTCOME_FILE).exists():
+            summary[stage] = json.loads((out / stage / OUTCOME_FILE).read_text())
     if len(groups) > 1 or any(len(tags) > 1 for tags in groups.values()):
         by_seed = {name: [training[t] for t in tags] for name, tags in groups.items()}
         summary["comparison"] = summarize(by_seed, accuracy)
@@ -704,7 +744,7 @@ def _claims_markdown(comparison: dict, names: list[str]) -> list[str]:
 
 
 def _drills_markdown(drills: dict | None) -> list[str]:
-    """The copy drills' outcome in one line, with the held-out copy accuracy at each check."""
+    """A drill stage's outcome in one line, with the held-out copy accuracy at each check."""
     if drills is None:
         return []
     from tirl.demo.drills import DrillOutcome
@@ -734,6 +774,7 @@ def _markdown(settings: DemoSettings, summary: dict, evals: dict, plots: list[Pa
         f"RL gain over SFT: **{summary['improvement_points']:+.1f} points**.",
         "",
         *_drills_markdown(summary.get("drills")),
+        *_drills_markdown(summary.get("shaped_drills")),
         *_comparison_markdown(summary.get("comparison")),
         "## Plots",
         "",

@@ -66,12 +66,14 @@ def _prepare(out: Path, record: dict, resume: bool) -> Path:
 
 def seed_row(seed: int, summary: dict) -> dict:
     """One seed's line of the table from its demo's summary.json."""
-    drills = summary.get("drills")
+    drills, shaped = summary.get("drills"), summary.get("shaped_drills")
     return {
         "seed": seed,
         "drill_steps": drills["steps"] if drills else None,
         "drill_copy_accuracy": round(100 * drills["accuracy"], 1) if drills else None,
         "drills_learned": drills["accuracy"] >= drills["target"] if drills else None,
+        "shaped_drill_steps": shaped["steps"] if shaped else None,
+        "shaped_drill_accuracy": round(100 * shaped["accuracy"], 1) if shaped else None,
         "sft_accuracy": summary["sft_accuracy"],
         "rl_accuracy": summary["rl_accuracy"],
         "minutes": round(summary["wall_seconds"]["total"] / 60, 1),
@@ -107,14 +109,16 @@ def markdown(summary: dict, overrides: list[str]) -> str:
         "Each seed is a whole demo (its own data, model, drills, SFT and RL) in seed<S>/; overrides: "
         f"`{' '.join(overrides)}`.",
         "",
-        "| demo.seed | drills: steps, held-out copy % | SFT % | GRPO-RoC % | gain (points) | minutes | warnings |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| demo.seed | copy drills: steps, held-out % | shaped drills: steps, held-out % | SFT % | GRPO-RoC % "
+        "| gain (points) | minutes | warnings |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         drills = f"{_cell(r['drill_steps'])}, {_cell(r['drill_copy_accuracy'])}"
+        shaped = f"{_cell(r.get('shaped_drill_steps'))}, {_cell(r.get('shaped_drill_accuracy'))}"
         gain = r["rl_accuracy"] - r["sft_accuracy"]
         lines.append(
-            f"| {r['seed']} | {drills} | {r['sft_accuracy']:.1f} | {r['rl_accuracy']:.1f} | {gain:+.1f} | "
+            f"| {r['seed']} | {drills} | {shaped} | {r['sft_accuracy']:.1f} | {r['rl_accuracy']:.1f} | {gain:+.1f} | "
             f"{r['minutes']} | {'; '.join(r['warnings']) or '-'} |"
         )
     lines += ["", "Spread over the seeds (mean [95% interval], min-max):", ""]

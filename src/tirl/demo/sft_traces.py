@@ -21,7 +21,10 @@ prefers the clean ones (the paper's Figure 4).
 
 A model trained from scratch also lacks what pretraining gives for free: copying a digit string it has
 just read (from the problem into code, from the tool's output into the answer). `copy_drills` are
-short instruction-following examples that teach exactly that; they never mention the tasks.
+short instruction-following examples that teach copying itself ("Repeat: 812 40" -> "812 40"); they
+never mention the tasks. `shaped_drills` then drill the same skill in the traces' own shapes: a trace's
+first turn (the problem's numbers into the call's code) and its last (the tool's output into \\boxed{}),
+because on some seeds the plain copy skill did not carry over to those contexts (docs/results.md).
 """
 
 from __future__ import annotations
@@ -275,6 +278,26 @@ def copy_drills(n: int, seed: int = 0, max_digits: int = 3) -> list[dict]:
         numbers = " ".join(str(rng.randint(0, 10**k - 1)) for k in sizes)
         prompt = f"<|im_start|>user\nRepeat: {numbers}<|im_end|>\n<|im_start|>assistant\n"
         drills.append({"prompt": prompt, "completion": numbers + END, "kind": "copy_drill"})
+    return drills
+
+
+def shaped_drills(problems: list[Problem], n: int, cfg: AgentConfig, seed: int = 0) -> list[dict]:
+    """`n` drills in the traces' shapes, alternating: a trace's first turn up to its plan (the prompt)
+    -> its call of the reference code, and its last turn, a tool response holding the answer (the
+    prompt) -> `DONE` with that answer boxed. Every completion is determined by its prompt, so greedy
+    exact match measures the skill (tirl.demo.drills.copy_accuracy)."""
+    rng = random.Random(f"shaped-{seed}")
+    head = "<|im_start|>user\nAnswer from the tool's output."  # a tool response closes this turn itself
+    drills = []
+    for i in range(n):
+        p = rng.choice(problems)
+        if i % 2 == 0:
+            prompt = build_prompt_text(None, p.problem, cfg) + TOOL_PLANS[0] + "\n"
+            completion = tool_call_text(_code_of(p), cfg)
+        else:
+            prompt = head + tool_response_text([f"{p.answer}\n[ok]"], cfg, False)
+            completion = DONE.format(n=p.answer)
+        drills.append({"prompt": prompt, "completion": completion + END, "kind": "shaped_drill"})
     return drills
 
 
