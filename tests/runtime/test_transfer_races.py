@@ -42,6 +42,8 @@ def test_two_syncs_at_once_each_reader_maps_its_own_whole_file_and_none_is_left(
     directory is empty. The processes are spawned, not forked: a fork from the suite's process, which by
     then holds other tests' threads, could copy a lock some thread held and hang the child at exit."""
     monkeypatch.setenv("TIRL_WEIGHTS_DIR", str(tmp_path))
+    # a spawned child imports this module by name, on the parent's sys.path: put the repository there
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
     ctx = multiprocessing.get_context("spawn")
     barrier, paths, done = ctx.Barrier(2), ctx.Queue(), ctx.Event()
     writers = [ctx.Process(target=_sync_through_shm, args=(seed, barrier, paths, done)) for seed in (1, 2)]
