@@ -141,11 +141,32 @@ def test_the_preflight_plans_the_cluster_it_is_about_to_train_on(
     cluster = preflight_cluster(cfg)
     assert (cluster.gpus, cluster.colocated, cluster.trainer_offload) == expected
     assert cluster.gpu_memory == a_gpu
-    cmd = preflight_command(cfg, cluster, str(config), ["engine.max_model_len=512"], "train")
+    cmd = preflight_command(cluster, str(config), ["engine.max_model_len=512"], "train")
     shown = " ".join(cmd)
     assert f"--gpus {expected[0]} --gpu-memory {24 * GiB / GiB:.3f}" in shown
-    assert ("--colocate" in cmd) == expected[1] and ("--trainer-offload" in cmd) == expected[2]
+    assert ("--colocate" if expected[1] else "--separate") in cmd
+    assert ("--trainer-offload" if expected[2] else "--no-trainer-offload") in cmd
+    assert not {"--colocate", "--separate"} <= set(cmd) and not {
+        "--trainer-offload",
+        "--no-trainer-offload",
+    } <= set(cmd)
     assert cmd[-1] == "engine.max_model_len=512"
+
+
+def test_the_preflight_plan_runs_inside_a_torchrun_ranks_environment(config, a_gpu, monkeypatch):
+    """Each torchrun rank runs the preflight with the rank's RANK, WORLD_SIZE, LOCAL_RANK and
+    MASTER_PORT set: its `tirl plan` child (given none of them: the plan's fake process group must
+    never meet the run's) plans the torchrun world and gives its verdict."""
+    from tests.ports import free_port
+
+    from tirl.rl.plan import memory_preflight
+
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in (torchrun | {"MASTER_PORT": str(free_port())}).items():
+        monkeypatch.setenv(key, value)
+    cfg = _train_config(config, "optim.micro_batch_tokens=1024", "optim.device=cpu")
+    lines = memory_preflight(cfg, str(config), ["optim.micro_batch_tokens=1024", "optim.device=cpu"], "train")
+    assert len(lines) == 1 and lines[0].startswith("memory plan: FITS"), lines
 
 
 def test_a_run_that_does_not_fit_its_gpus_stops_before_anything_starts(config, trainer_calls, monkeypatch):

@@ -629,9 +629,7 @@ def preflight_cluster(cfg) -> ClusterShape | None:
     return cluster_of(cfg, world, memory)
 
 
-def preflight_command(
-    cfg, cluster: ClusterShape, config_path: str, overrides: list[str], kind: str
-) -> list[str]:
+def preflight_command(cluster: ClusterShape, config_path: str, overrides: list[str], kind: str) -> list[str]:
     """The `tirl plan` command line the preflight runs for `cluster`."""
     cmd = [sys.executable, "-m", "tirl.cli", "plan", "--kind", kind, "--config", config_path]
     cmd += ["--gpus", str(cluster.gpus), "--gpu-memory", f"{cluster.gpu_memory / GiB:.3f}"]
@@ -651,7 +649,7 @@ def memory_preflight(cfg, config_path: str, overrides: list[str], kind: str) -> 
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
     }
-    cmd = preflight_command(cfg, cluster, config_path, overrides, kind)
+    cmd = preflight_command(cluster, config_path, overrides, kind)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     verdict = next((line for line in reversed(lines) if line.startswith(("FITS", "DOES NOT FIT"))), None)
