@@ -4,6 +4,7 @@ arithmetic on the real Qwen3 architectures, the verdict, and the CLI. The cluste
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -146,6 +147,10 @@ def test_the_plan_command_on_the_recipe(tiny_model_dir):
         assert "cluster: 1 GPUs" in result.output and ("LoRA: rank 16" in result.output) == bool(lora)
     result = CliRunner().invoke(app, [*args, "--gpus", "2", "--gpu-memory", "1", *small])
     assert result.exit_code == 1 and "DOES NOT FIT" in result.output
+    result = CliRunner().invoke(app, [*args, "--gpus", "2", "--gpu-memory", "1", *small, "--json"])
+    plan = json.loads(result.output)  # --json: the whole plan, its verdict included, and nothing else
+    assert result.exit_code == 1 and not plan["fits"] and plan["verdict"].startswith("DOES NOT FIT: ")
+    assert plan["cluster"]["gpus"] == 2 and plan["cluster"]["gpu_memory"] == 2**30 and plan["advice"]
 
 
 def test_no_preflight_without_a_gpu():
