@@ -156,7 +156,8 @@ def test_the_preflight_plans_the_cluster_it_is_about_to_train_on(
 def test_the_preflight_plan_runs_inside_a_torchrun_ranks_environment(config, a_gpu, monkeypatch):
     """Each torchrun rank runs the preflight with the rank's RANK, WORLD_SIZE, LOCAL_RANK and
     MASTER_PORT set: its `tirl plan` child (given none of them: the plan's fake process group must
-    never meet the run's) plans the torchrun world and gives its verdict."""
+    never meet the run's) still runs and gives its verdict. (Whether the child would notice them is not
+    observable here: `tirl plan` on CPU reads none, see docs/mutation.md.)"""
     from tests.ports import free_port
 
     from tirl.rl.plan import memory_preflight
