@@ -31,8 +31,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	@# the 25 slowest tests, so CI's log records them (docs/development.md lists the slowest 20)
-	$(VENV)/bin/pytest -q --durations=25
+	@# two xdist workers (tests/conftest.py groups tests that share a setup); the 25 slowest tests,
+	@# so CI's log records them (docs/development.md lists the slowest 20)
+	$(VENV)/bin/pytest -q -n 2 --durations=25
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow and not vllm"

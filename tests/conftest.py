@@ -65,3 +65,55 @@ def qwen3():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")
+
+
+# `make test` runs the suite on two pytest-xdist workers. A group below runs on one worker, in order:
+# a directory whose tests share a session fixture (built once, not once per worker), and the Ray files
+# (one simulated cluster at a time; their tests count the cluster's processes).
+SHARED_DIRS = ("tests/agent/", "tests/demo/", "tests/sandbox/", "tests/view/")
+RAY_FILES = "tests/runtime/test_ray"
+# The longest groups start first, so neither worker is left with a long one at the end (from the
+# serial suite's --durations; docs/development.md lists the slowest tests).
+LONGEST_FIRST = (
+    "tests/test_readme.py",
+    "ray",
+    "tests/demo/",
+    "tests/rl/test_trainer.py",
+    "tests/agent/",
+    "tests/rl/test_lora.py",
+    "tests/rl/test_async_trainer.py",
+    "tests/test_lifetime.py",
+    "tests/view/",
+    "tests/runtime/test_torchrun_vllm.py",
+)
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The xdist work unit of a test: its shared directory, "ray", or else its file."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith(RAY_FILES):
+        return "ray"
+    return next((d for d in SHARED_DIRS if path.startswith(d)), path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share two cores: one torch thread each
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Group with xdist_group_of, longest groups first (xdist's own `xdist_group` mark does nothing on
+    pytest 9.2: it rewrites `_nodeid`, which node ids no longer read)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+            first = min(self.workqueue, key=lambda group: rank.get(group, len(rank)))
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    return GroupScheduling(config, log)
