@@ -170,6 +170,28 @@ def test_the_preflight_plan_runs_inside_a_torchrun_ranks_environment(config, a_g
     assert len(lines) == 1 and lines[0].startswith("memory plan: FITS"), lines
 
 
+def test_a_ray_runs_preflight_plans_its_trainer_ranks_not_the_drivers_one_process(config, monkeypatch):
+    """The driver of a Ray run is one process (no WORLD_SIZE): its preflight plans the config's 64
+    trainer ranks on separate GPUs. On (reported) 3 GiB GPUs that fits; one colocated GPU, which the
+    driver's process alone would suggest, does not (a sleeping engine beside the trainer)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tirl.config import ConfigError
+    from tirl.rl.plan import GiB, memory_preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=3 * GiB))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    small = ["optim.micro_batch_tokens=1024", "optim.device=cpu", "engine.gpu_memory_utilization=0.9"]
+    ray = ["cluster.backend=ray", "cluster.trainer.ranks=64", *small]
+    lines = memory_preflight(_train_config(config, *ray), str(config), ray, "train")
+    assert len(lines) == 1 and lines[0].startswith("memory plan: FITS") and "of 3.0 GiB" in lines[0], lines
+    with pytest.raises(ConfigError, match=r"DOES NOT FIT: training needs 3\.1 GiB per GPU of 3\.0"):
+        memory_preflight(_train_config(config, *small), str(config), small, "train")
+
+
 def test_a_run_that_does_not_fit_its_gpus_stops_before_anything_starts(config, trainer_calls, monkeypatch):
     """On a (reported) 1 GiB GPU the plan, run for real in its subprocess, does not fit: `tirl train`
     stops with one error line holding the plan's verdict, before the trainer is called;
