@@ -101,6 +101,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist (-p no:xdist) knows no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Group with xdist_group_of, longest groups first (xdist's own `xdist_group` mark does nothing on
     pytest 9.2: it rewrites `_nodeid`, which node ids no longer read)."""
