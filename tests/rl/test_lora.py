@@ -106,6 +106,49 @@ def test_adapter_only_parameters_train_and_the_base_does_not_move(tiny_model_dir
     assert any(".lora_B." in n for n in moved)  # B starts at zero: the adapter now changes the output
 
 
+# ---- what a LoRA sync carries to the engines ----
+
+
+def test_a_lora_sync_carries_merged_layers_their_fused_partners_and_every_bias():
+    """On a model whose q/k/v projections have biases (Qwen2's), with an adapter on q_proj only:
+    per layer q_proj's merged weight W + (alpha/rank) B A, the frozen k_proj and v_proj (vLLM fuses the
+    three into one qkv_proj, so all must arrive), and all three biases, in module order, under the
+    base model's names; each entry's announced shape and dtype are those of the tensor it makes."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tirl.rl.lora import apply_lora, merged_tensors
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    base = {n: p.detach().clone() for n, p in model.model.named_parameters()}
+    apply_lora(model.model, LoraConfig(enabled=True, rank=4, alpha=8, target_modules=["q_proj"]))
+    layers = dict(model.model.named_modules())
+    for i in range(2):  # B starts at zero: make the adapter change the weight
+        torch.nn.init.normal_(layers[f"layers.{i}.self_attn.q_proj"].lora_B["default"].weight)
+    entries = merged_tensors(model.model)
+    names = [f"layers.{i}.self_attn.{p}.{w}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj")
+             for w in ("weight", "bias")]  # fmt: skip
+    assert [name for name, _ in entries] == names
+    for name, lazy in entries:
+        made = lazy.make()
+        assert (
+            (lazy.shape, lazy.dtype)
+            == (tuple(made.shape), made.dtype)
+            == (tuple(base[name].shape), torch.float32)
+        )
+        if name.endswith("q_proj.weight"):
+            layer = layers[name.removesuffix(".weight")]
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            torch.testing.assert_close(made, base[name] + 2.0 * (b @ a).detach())
+            assert not torch.allclose(made, base[name])
+        else:
+            assert torch.equal(made, base[name])
+
+
 # ---- FSDP2: two gloo processes train the adapter as one does; resume is exact ----
 
 
