@@ -109,21 +109,26 @@ def test_adapter_only_parameters_train_and_the_base_does_not_move(tiny_model_dir
 # ---- what a LoRA sync carries to the engines ----
 
 
-def test_a_lora_sync_carries_merged_layers_their_fused_partners_and_every_bias():
-    """On a model whose q/k/v projections have biases (Qwen2's), with an adapter on q_proj only:
-    per layer q_proj's merged weight W + (alpha/rank) B A, the frozen k_proj and v_proj (vLLM fuses the
-    three into one qkv_proj, so all must arrive), and all three biases, in module order, under the
-    base model's names; each entry's announced shape and dtype are those of the tensor it makes."""
+def _qwen2(dtype: torch.dtype = torch.float32):
+    """A random two-layer Qwen2 (its q/k/v projections have biases, Qwen3's do not)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from tirl.rl.lora import apply_lora, merged_tensors
 
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2,
     )  # fmt: skip
-    model = Qwen2ForCausalLM(config)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+def test_a_lora_sync_carries_merged_layers_their_fused_partners_and_every_bias():
+    """On a model whose q/k/v projections have biases (Qwen2's), with an adapter on q_proj only:
+    per layer q_proj's merged weight W + (alpha/rank) B A, the frozen k_proj and v_proj (vLLM fuses the
+    three into one qkv_proj, so all must arrive), and all three biases, in module order, under the
+    base model's names; each entry's announced shape and dtype are those of the tensor it makes."""
+    from tirl.rl.lora import apply_lora, merged_tensors
+
+    model = _qwen2()
     base = {n: p.detach().clone() for n, p in model.model.named_parameters()}
     apply_lora(model.model, LoraConfig(enabled=True, rank=4, alpha=8, target_modules=["q_proj"]))
     layers = dict(model.model.named_modules())
@@ -147,6 +152,42 @@ def test_a_lora_sync_carries_merged_layers_their_fused_partners_and_every_bias()
             assert not torch.allclose(made, base[name])
         else:
             assert torch.equal(made, base[name])
+
+
+def test_the_adapter_is_saved_as_configured_in_fp32_under_peft_names(tmp_path):
+    """apply_lora on a bf16 model with alpha 16 and dropout 0.25: the adapters exist (has_lora), their
+    dropout is on; save_adapter (twice: a checkpoint saved again) writes peft's adapter_config.json with
+    those settings and the base's path, and fp32 weights under peft's saved names with the metadata
+    transformers reads."""
+    from safetensors import safe_open
+
+    from tirl.rl.lora import apply_lora, has_lora, save_adapter
+
+    model = _qwen2(torch.bfloat16)
+    assert not has_lora(model)
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=16, dropout=0.25, target_modules=["q_proj"]))
+    assert has_lora(model)
+    dropouts = [m.lora_dropout["default"] for n, m in model.named_modules() if n.endswith("q_proj")]
+    assert len(dropouts) == 2 and all(d.training and d.p == 0.25 for d in dropouts)
+    base, out = tmp_path / "base", tmp_path / "run" / "adapter"
+    base.mkdir()
+    for _ in range(2):
+        save_adapter(model, out, str(base), is_main=True)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"], config["bias"]) == (
+        4,
+        16,
+        0.25,
+        "none",
+    )
+    assert config["target_modules"] == ["q_proj"] and config["base_model_name_or_path"] == str(base)
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        names = sorted(f.keys())
+        assert {f.get_tensor(n).dtype for n in names} == {torch.float32}
+    assert names == [
+        f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{m}.weight" for i in range(2) for m in "AB"
+    ]
 
 
 # ---- FSDP2: two gloo processes train the adapter as one does; resume is exact ----
