@@ -155,15 +155,15 @@ def test_a_lora_sync_carries_merged_layers_their_fused_partners_and_every_bias()
 
 
 def test_the_adapter_is_saved_as_configured_in_fp32_under_peft_names(tmp_path):
-    """apply_lora on a bf16 model with alpha 16 and dropout 0.25: the adapters exist (has_lora), their
-    dropout is on; save_adapter (twice: a checkpoint saved again) writes peft's adapter_config.json with
+    """apply_lora on a bf16 model in eval mode with alpha 16 and dropout 0.25: the adapters exist
+    (has_lora), their dropout is on (SFT's); save_adapter (twice: a checkpoint saved again) writes peft's adapter_config.json with
     those settings and the base's path, and fp32 weights under peft's saved names with the metadata
     transformers reads."""
     from safetensors import safe_open
 
     from tirl.rl.lora import apply_lora, has_lora, save_adapter
 
-    model = _qwen2(torch.bfloat16)
+    model = _qwen2(torch.bfloat16).eval()  # as the policy runs
     assert not has_lora(model)
     apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=16, dropout=0.25, target_modules=["q_proj"]))
     assert has_lora(model)
