@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 
@@ -57,3 +58,35 @@ def test_a_base_that_moved_away_is_one_line_naming_both_places_and_the_fix(tiny_
     message = str(raised.value)
     assert "\n" not in message and f"{adapter}: its base model moved: it is neither at {base} " in message
     assert f"nor at {base.resolve()}; " in message and "base_model_name_or_path in " in message
+
+
+def test_a_peft_adapter_on_a_bf16_base_merges_into_fp32_safetensors_again_only_when_newer(
+    tiny_model_dir, tmp_path
+):
+    """An adapter as peft alone saves one (no tirl base file: its config names the base) on a base
+    stored in bf16: the merge, into a directory whose parents do not exist yet, loads the base in fp32
+    and writes fp32 safetensors. `<adapter>-merged` is merged again only when the adapter's weights are
+    newer than it, not when they are as old."""
+    import os
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tirl.rl.lora import BASE_RELATIVE, adapter_base, merge_adapter, merged_adapter_dir
+
+    base, adapter = _adapter(tiny_model_dir, tmp_path)
+    AutoModelForCausalLM.from_pretrained(base).to(torch.bfloat16).save_pretrained(base)
+    (adapter / BASE_RELATIVE).unlink()
+    assert adapter_base(adapter) == str(base.resolve())
+    merged = merge_adapter(adapter, tmp_path / "new" / "nested" / "merged")
+    assert (merged / "model.safetensors").is_file() and not (merged / "pytorch_model.bin").exists()
+    with safe_open(merged / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.float32}  # noqa: SIM118 (not a dict)
+
+    config = merged_adapter_dir(adapter) / "config.json"
+    made = config.stat().st_mtime_ns
+    os.utime(adapter / "adapter_model.safetensors", ns=(made, made))  # as old as the merge: kept
+    assert merged_adapter_dir(adapter) / "config.json" == config and config.stat().st_mtime_ns == made
+    os.utime(adapter / "adapter_model.safetensors", ns=(made + 10**9, made + 10**9))  # trained on since
+    merged_adapter_dir(adapter)
+    assert config.stat().st_mtime_ns != made
