@@ -84,6 +84,12 @@ p.add_argument("--model-path"); p.add_argument("--host"); p.add_argument("--port
 p.add_argument("--api-key")
 args, _ = p.parse_known_args()
 LOG = os.path.join(os.environ["STAND_IN_LOGS"], str(args.port))
+STARTS = os.path.join(os.environ["STAND_IN_LOGS"], "starts")
+with open(STARTS, "a") as f:
+    f.write(str(args.port) + "\\n")
+FAIL = os.environ.get("STAND_IN_FAIL")  # first: the first start exits as if its port were taken; always
+if FAIL == "always" or (FAIL == "first" and open(STARTS).read().count("\\n") == 1):
+    sys.exit(3)
 with open(LOG, "w") as f:
     json.dump({"name": __name__, "argv": sys.argv, "key": args.api_key,
                "key_in_env": "TIRL_SGLANG_API_KEY" in os.environ}, f)
@@ -168,3 +174,40 @@ def test_the_server_takes_a_random_key_that_only_tirl_sends(stand_in, tiny_model
     finally:
         for engine in engines:
             asyncio.run(engine.close())
+
+
+def test_a_server_that_exits_while_starting_is_started_again_on_a_new_port(
+    stand_in, tiny_model_dir, monkeypatch
+):
+    """The port tirl picked can be taken before the server binds it (another process's connection or
+    server): the server exits at once. tirl starts it again on a new port, instead of waiting
+    remote.start_timeout_s (30 min) for a health check nothing will answer."""
+    monkeypatch.setenv("STAND_IN_FAIL", "first")
+    cfg = EngineConfig(backend="sglang", model=str(tiny_model_dir), device="cpu", max_model_len=512)
+    engine = SGLangEngine(cfg)
+    try:
+        first, second = (stand_in / "starts").read_text().split()
+        assert second == str(engine.port) != first
+        gen = asyncio.run(engine.generate([1, 5, 6], SamplingParams(max_tokens=2)))
+        assert gen.token_ids == [7, 8]
+    finally:
+        asyncio.run(engine.close())
+
+
+def test_a_server_that_always_exits_while_starting_is_one_error_not_a_wait(
+    stand_in, tiny_model_dir, monkeypatch
+):
+    """A server that exits on every start (bad flags, a broken install): an error naming its exit code
+    after START_TRIES starts, and nothing left behind (its weight-transfer directory is removed)."""
+    from tirl.engines.remote import ServerExited
+    from tirl.engines.sglang import START_TRIES
+
+    monkeypatch.setenv("STAND_IN_FAIL", "always")
+    weights = stand_in.parent / "weights"
+    weights.mkdir()
+    monkeypatch.setenv("TIRL_WEIGHTS_DIR", str(weights))
+    cfg = EngineConfig(backend="sglang", model=str(tiny_model_dir), device="cpu", max_model_len=512)
+    with pytest.raises(ServerExited, match="exited with code 3 while starting"):
+        SGLangEngine(cfg)
+    assert len((stand_in / "starts").read_text().split()) == START_TRIES
+    assert not any(weights.iterdir())

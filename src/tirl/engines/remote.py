@@ -36,7 +36,7 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -62,6 +62,10 @@ class ServerError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+class ServerExited(ServerError):
+    """A server this process started exited before it answered its health check."""
 
 
 class NoLiveServerError(ServerError, NoLiveEngineError):
@@ -405,9 +409,19 @@ class ServerEngine:
     """The Engine interface on one inference server. HTTP runs on the engine's own event-loop thread,
     so callers on any loop share one connection pool and the sync methods never block a loop."""
 
-    def __init__(self, cfg: EngineConfig, url: str, name: str, fleet: ServerFleet | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        url: str,
+        name: str,
+        fleet: ServerFleet | None = None,
+        exited: Callable[[], int | None] | None = None,
+    ):
+        """`exited`: for a server this process started, its exit code or None while it runs, so that a
+        server that died while starting is an error at once, not a wait of remote.start_timeout_s."""
         servers = cfg.remote
         self.cfg, self.url, self.name = cfg, url.rstrip("/"), name
+        self._exited = exited
         self.fleet = fleet or ServerFleet()
         self.fleet.engines.append(self)
         self.api: ServerAPI = API_KINDS[servers.api](servers.served_model)
@@ -446,6 +460,10 @@ class ServerEngine:
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
+            if self._exited is not None and (code := self._exited()) is not None:
+                raise ServerExited(
+                    f"{self.name}: the server for {self.url} exited with code {code} while starting"
+                )
             try:
                 if (await self._http.get("/health", timeout=5.0)).status_code == 200:  # type: ignore[union-attr]
                     return

@@ -33,7 +33,7 @@ import torch
 from tirl.devices import resolve_device
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
-from tirl.engines.remote import ServerEngine
+from tirl.engines.remote import ServerEngine, ServerExited
 
 INSTALL_HINT = (
     "the sglang backend needs SGLang: `pip install 'tirl[sglang]'` (CUDA GPUs; it pins its own torch, so "
@@ -44,6 +44,7 @@ INSTALL_HINT = (
 
 PYTHON_ENV = "TIRL_SGLANG_PYTHON"  # an interpreter of another environment that has SGLang
 API_KEY_ENV = "TIRL_SGLANG_API_KEY"  # the server's key, handed over in its environment only
+START_TRIES = 3  # server starts, each on a new port, before one that exits while starting is an error
 
 # `python -m sglang.launch_server ... --api-key KEY`, with KEY taken from the environment: an argument
 # is readable by every user of the machine (/proc/PID/cmdline, `ps`), the environment only by its
@@ -125,11 +126,26 @@ class SGLangEngine:
         if not cfg.model:
             raise ValueError("engine.model is empty: set it to a model directory (e.g. `tirl model init`)")
         self.cfg, self.name = cfg, name
-        self.port = _free_port()
         self._weights = tempfile.mkdtemp(prefix=f"tirl-{name}-", dir=_transfer_root())
         # Without a key any local program (or a web page, by DNS rebinding: SGLang checks no Host)
         # could generate or reload the weights. Random per server, kept in memory only.
         api_key = secrets.token_urlsafe(32)
+        for attempt in range(1, START_TRIES + 1):
+            try:
+                self._start(cfg, name, gpu, api_key)
+                return
+            except ServerExited:
+                # Most often the free port was taken before the server bound it (another process's
+                # outgoing connection or server): a new port. Its own failures repeat, and are raised.
+                self._stop_server(keep_weights=attempt < START_TRIES)
+                if attempt == START_TRIES:
+                    raise
+            except BaseException:
+                self._stop_server()
+                raise
+
+    def _start(self, cfg: EngineConfig, name: str, gpu: str | None, api_key: str) -> None:
+        self.port = _free_port()
         self._proc = subprocess.Popen(
             sglang_server_command(cfg, self.port),
             env=server_env(api_key, gpu, cfg.device),
@@ -144,11 +160,8 @@ class SGLangEngine:
             weights_dir=self._weights,
             start_timeout_s=1800,
         )
-        try:
-            self._server = ServerEngine(cfg.model_copy(update={"remote": servers}), servers.urls[0], name)
-        except BaseException:
-            self._stop_server()
-            raise
+        remote = cfg.model_copy(update={"remote": servers})
+        self._server = ServerEngine(remote, servers.urls[0], name, exited=self._proc.poll)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if self._proc.poll() is not None:
@@ -175,15 +188,17 @@ class SGLangEngine:
         await self._server.close()
         self._stop_server()
 
-    def _stop_server(self) -> None:
-        if self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
+    def _stop_server(self, keep_weights: bool = False) -> None:
+        proc = getattr(self, "_proc", None)  # None: Popen itself failed
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
             try:
-                self._proc.wait(timeout=30)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        shutil.rmtree(self._weights, ignore_errors=True)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if not keep_weights:
+            shutil.rmtree(self._weights, ignore_errors=True)
 
 
 def _transfer_root() -> str:
