@@ -211,3 +211,29 @@ def test_a_server_that_always_exits_while_starting_is_one_error_not_a_wait(
         SGLangEngine(cfg)
     assert len((stand_in / "starts").read_text().split()) == START_TRIES
     assert not any(weights.iterdir())
+
+
+def test_the_server_dies_with_tirl_even_by_sigkill(stand_in, tiny_model_dir):
+    """The server sets its own parent-death signal after exec (no Python between fork and exec): a
+    SIGKILLed tirl leaves no server behind."""
+    import signal
+    import subprocess
+    import time
+
+    code = textwrap.dedent(f"""
+        import threading
+        from tirl.engines.config import EngineConfig
+        from tirl.engines.sglang import SGLangEngine
+        cfg = EngineConfig(backend="sglang", model={str(tiny_model_dir)!r}, device="cpu", max_model_len=512)
+        print(SGLangEngine(cfg)._proc.pid, flush=True)
+        threading.Event().wait()
+    """)
+    tirl = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    server = int(tirl.stdout.readline())
+    assert Path(f"/proc/{server}").exists()
+    tirl.send_signal(signal.SIGKILL)
+    tirl.wait()
+    deadline = time.monotonic() + 60  # a hang guard: the kernel kills it at once
+    while Path(f"/proc/{server}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{server}").exists()

@@ -49,8 +49,13 @@ START_TRIES = 3  # server starts, each on a new port, before one that exits whil
 # `python -m sglang.launch_server ... --api-key KEY`, with KEY taken from the environment: an argument
 # is readable by every user of the machine (/proc/PID/cmdline, `ps`), the environment only by its
 # owner. Popped, so SGLang's own workers do not inherit it.
+PARENT_ENV = "TIRL_SGLANG_PARENT"  # tirl's pid: the server dies with it
+# The server tells the kernel to kill it when tirl dies (even by SIGKILL), itself, after exec: Python
+# code between fork and exec (a preexec_fn) can deadlock in a parent with threads, as tirl's are.
 LAUNCH = (
-    "import os, runpy, sys; "
+    "import ctypes, os, runpy, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "  # 1: PR_SET_PDEATHSIG
+    f"os.getppid() == int(os.environ.pop({PARENT_ENV!r})) or sys.exit(1); "  # tirl died before the prctl
     f"sys.argv += ['--api-key', os.environ.pop({API_KEY_ENV!r})]; "
     "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
 )
@@ -102,20 +107,12 @@ def sglang_server_command(cfg: EngineConfig, port: int) -> list[str]:
 
 def server_env(api_key: str, gpu: str | None, device: str) -> dict[str, str]:
     """The server's environment: this one, its key, its GPU, and SGLang's CPU engine on a CPU."""
-    env = dict(os.environ) | {API_KEY_ENV: api_key}
+    env = dict(os.environ) | {API_KEY_ENV: api_key, PARENT_ENV: str(os.getpid())}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     if resolve_device(device).type == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU kernels (else it reaches for CUDA/vLLM ops)
     return env
-
-
-def _child_setup() -> None:
-    """In the server process: its own process group (Ctrl-C reaches tirl, which stops it in order), and
-    death with tirl even when tirl is SIGKILLed (it does not import tirl, so it is told here)."""
-    from tirl.lifetime import die_with_parent
-
-    die_with_parent()
 
 
 class SGLangEngine:
@@ -150,8 +147,7 @@ class SGLangEngine:
             sglang_server_command(cfg, self.port),
             env=server_env(api_key, gpu, cfg.device),
             stdin=subprocess.DEVNULL,
-            process_group=0,
-            preexec_fn=_child_setup,  # the parent-death signal must be set in the child itself
+            process_group=0,  # its own group: Ctrl-C reaches tirl, which stops it in order
         )
         servers = RemoteServers(
             urls=[f"http://127.0.0.1:{self.port}"],
