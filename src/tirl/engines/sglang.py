@@ -44,14 +44,15 @@ INSTALL_HINT = (
 
 PYTHON_ENV = "TIRL_SGLANG_PYTHON"  # an interpreter of another environment that has SGLang
 API_KEY_ENV = "TIRL_SGLANG_API_KEY"  # the server's key, handed over in its environment only
+PARENT_ENV = "TIRL_SGLANG_PARENT"  # tirl's pid: the server dies with it
 START_TRIES = 3  # server starts, each on a new port, before one that exits while starting is an error
 
 # `python -m sglang.launch_server ... --api-key KEY`, with KEY taken from the environment: an argument
 # is readable by every user of the machine (/proc/PID/cmdline, `ps`), the environment only by its
 # owner. Popped, so SGLang's own workers do not inherit it.
-PARENT_ENV = "TIRL_SGLANG_PARENT"  # tirl's pid: the server dies with it
-# The server tells the kernel to kill it when tirl dies (even by SIGKILL), itself, after exec: Python
-# code between fork and exec (a preexec_fn) can deadlock in a parent with threads, as tirl's are.
+# The server also tells the kernel to kill it when tirl dies (even by SIGKILL), itself, after exec:
+# Python code between fork and exec (a preexec_fn) can deadlock in a parent with threads, as tirl's are;
+# and the server's Python may lack tirl (tirl.lifetime.die_with_parent), so the prctl is spelt here.
 LAUNCH = (
     "import ctypes, os, runpy, signal, sys; "
     "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "  # 1: PR_SET_PDEATHSIG
