@@ -90,3 +90,17 @@ def test_a_peft_adapter_on_a_bf16_base_merges_into_fp32_safetensors_again_only_w
     os.utime(adapter / "adapter_model.safetensors", ns=(made + 10**9, made + 10**9))  # trained on since
     merged_adapter_dir(adapter)
     assert config.stat().st_mtime_ns != made
+
+
+def test_a_merge_whose_adapter_weights_are_gone_is_used_as_it_is(tiny_model_dir, tmp_path):
+    """`<adapter>-merged` beside an adapter directory that no longer holds its weights (kept only for
+    its config and tokenizer) is used as it is, however old it looks (a copy that kept no times: 1970)."""
+    import os
+
+    from tirl.rl.lora import merged_adapter_dir
+
+    _, adapter = _adapter(tiny_model_dir, tmp_path)
+    config = merged_adapter_dir(adapter) / "config.json"
+    (adapter / "adapter_model.safetensors").unlink()
+    os.utime(config, (0, 0))
+    assert merged_adapter_dir(adapter) / "config.json" == config and config.stat().st_mtime == 0

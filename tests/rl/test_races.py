@@ -214,3 +214,48 @@ def test_a_merge_of_a_checkpoint_pruned_under_it_leaves_no_step_directory(tiny_m
     prompt = torch.tensor([[5, 17, 33, 2, 99]])
     with torch.no_grad():
         assert torch.allclose(merged(prompt).logits, adapted.eval()(prompt).logits, atol=1e-5)
+
+
+def test_a_checkpoint_saved_again_during_a_build_is_kept_whole_and_the_error_names_the_cause(tmp_path):
+    """While a merge builds <step>/merged, the trainer prunes that step and saves it again (a resumed
+    run): the new step directory, with its files, is left as the trainer wrote it, and the builder gets
+    the one clear error (removing the directory it did not make fails and must not replace that error)."""
+    from tirl.rl.lora import build_dir
+
+    step = tmp_path / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+
+    def saved_again_meanwhile(out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        shutil.rmtree(step)
+        step.mkdir()
+        (step / "trainer_state.pt").write_text("the new save")
+
+    with pytest.raises(FileNotFoundError, match="was removed while merged was built in it"):
+        build_dir(step / "merged", saved_again_meanwhile)
+    assert [p.name for p in step.iterdir()] == ["trainer_state.pt"]
+    assert (step / "trainer_state.pt").read_text() == "the new save"
+
+
+def test_replacing_a_model_whose_old_copy_cannot_be_deleted_still_installs_the_new_one(tmp_path):
+    """`replace` moves the old model aside, then deletes it; a file that cannot be deleted (marked
+    immutable here; on NFS, a file a reader still holds open) leaves that hidden copy behind, and the new
+    model is in place all the same."""
+    import subprocess
+
+    from tirl.rl.lora import build_dir
+
+    out = tmp_path / "model"
+    build_dir(out, lambda d: (d / "config.json").write_text('{"v": 1}'))
+    stuck = out / "weights.bin"
+    stuck.write_text("held")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode:
+        pytest.skip("chattr +i needs root on a filesystem with inode flags (ext4, xfs)")
+    try:
+        build_dir(out, lambda d: (d / "config.json").write_text('{"v": 2}'), replace=True)
+        assert json.loads((out / "config.json").read_text()) == {"v": 2} and not (out / "weights.bin").exists()
+        (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".model.")]
+        assert [p.name for p in (left / "model").iterdir()] == ["weights.bin"]
+    finally:
+        for p in tmp_path.rglob("weights.bin"):
+            subprocess.run(["chattr", "-i", str(p)], check=True)
