@@ -62,7 +62,9 @@ def test_target_modules_are_checked_against_the_real_model_on_the_meta_device(ti
     all_linear = check_lora(str(tiny_model_dir), LoraConfig(enabled=True))
     assert all_linear == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     # names given before all-linear come first (once), the rest in the model's order
-    v_first = check_lora(str(tiny_model_dir), LoraConfig(enabled=True, target_modules=["v_proj", "all-linear"]))
+    v_first = check_lora(
+        str(tiny_model_dir), LoraConfig(enabled=True, target_modules=["v_proj", "all-linear"])
+    )
     assert v_first == ["v_proj", "q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert check_lora(str(tiny_model_dir), LoraConfig(enabled=False, target_modules=["nope"])) == []
 

@@ -253,7 +253,9 @@ def test_replacing_a_model_whose_old_copy_cannot_be_deleted_still_installs_the_n
         pytest.skip("chattr +i needs root on a filesystem with inode flags (ext4, xfs)")
     try:
         build_dir(out, lambda d: (d / "config.json").write_text('{"v": 2}'), replace=True)
-        assert json.loads((out / "config.json").read_text()) == {"v": 2} and not (out / "weights.bin").exists()
+        assert (
+            json.loads((out / "config.json").read_text()) == {"v": 2} and not (out / "weights.bin").exists()
+        )
         (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".model.")]
         assert [p.name for p in (left / "model").iterdir()] == ["weights.bin"]
     finally:
