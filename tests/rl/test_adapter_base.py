@@ -104,3 +104,28 @@ def test_a_merge_whose_adapter_weights_are_gone_is_used_as_it_is(tiny_model_dir,
     (adapter / "adapter_model.safetensors").unlink()
     os.utime(config, (0, 0))
     assert merged_adapter_dir(adapter) / "config.json" == config and config.stat().st_mtime == 0
+
+
+def test_an_adapter_with_a_link_leading_outside_or_a_broken_base_is_one_line_and_merges_nothing(
+    tiny_model_dir, tmp_path
+):
+    """The merge copies the adapter's other files beside the model: a link in it leading outside is
+    refused, naming the adapter; a base that is there but does not load is one line naming both."""
+    from tirl.rl.lora import merge_adapter
+
+    base, adapter = _adapter(tiny_model_dir, tmp_path)
+    (tmp_path / "secret").write_text("not the model's")
+    (adapter / "tokenizer_extra.json").symlink_to(tmp_path / "secret")
+    with pytest.raises(ValueError) as raised:
+        merge_adapter(adapter, tmp_path / "merged")
+    assert str(raised.value).startswith(f"adapter {adapter}: ") and "\n" not in str(raised.value)
+    (adapter / "tokenizer_extra.json").unlink()
+    (base / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError) as raised:
+        merge_adapter(adapter, tmp_path / "merged")
+    said = str(raised.value)
+    assert said.startswith(f"{adapter}: cannot load its base model '{base.resolve()}': ") and "\n" not in said
+    assert (
+        not (tmp_path / "merged").exists()
+        and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    )

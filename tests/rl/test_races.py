@@ -236,6 +236,17 @@ def test_a_checkpoint_saved_again_during_a_build_is_kept_whole_and_the_error_nam
     assert [p.name for p in step.iterdir()] == ["trainer_state.pt"]
     assert (step / "trainer_state.pt").read_text() == "the new save"
 
+    def pruned_under_the_write(out: Path) -> None:  # the build's own write fails: it is the cause
+        shutil.rmtree(step)
+        (out / "config.json").write_text("{}")
+
+    with pytest.raises(FileNotFoundError, match="was removed while merged was built in it") as raised:
+        build_dir(step / "merged", pruned_under_the_write)
+    assert isinstance(raised.value.__cause__, FileNotFoundError) and "config.json" in str(
+        raised.value.__cause__
+    )
+    assert not step.exists()
+
 
 def test_replacing_a_model_whose_old_copy_cannot_be_deleted_still_installs_the_new_one(tmp_path):
     """`replace` moves the old model aside, then deletes it; a file that cannot be deleted (marked
