@@ -233,6 +233,46 @@ def test_the_largest_context_that_fits():
     assert not make_plan(config, cluster, at(length + 1024), "wide", advise=False).fits
 
 
+def test_the_largest_context_at_its_edges_and_for_sft():
+    """--largest context at its edges: a GPU that holds every length gives the model's own limit
+    (max_position_embeddings, not a default); one that holds 1024 tokens and no more gives 1024 with
+    its plan; one that holds nothing gives no value and the 1024-token plan. SFT (no engine) searches
+    max_length the same way. The plan returned names the model it was asked about."""
+    from transformers import Qwen3Config
+
+    from tirl.rl.plan import micro_batch_shape
+    from tirl.rl.planner import largest, make_plan
+
+    config = Qwen3Config(**QWEN3_14B | {"num_hidden_layers": 2, "max_position_embeddings": 8192})
+
+    def at(length: int, engine: bool = True) -> Workload:
+        return _workload(engine=ENGINE | {"max_model_len": length} if engine else None, shape=(1, length))
+
+    def total(length: int, engine: bool = True) -> int:
+        return make_plan(
+            config, ClusterShape(8, 80 * GiB, True, True), at(length, engine), "wide"
+        ).training_total
+
+    roomy = ClusterShape(8, 4 * total(8192), True, True)
+    key, length, plan = largest(config, roomy, at(1024), "context", "wide")
+    assert (key, length, plan.workload.engine["max_model_len"]) == ("engine.max_model_len", 8192, 8192)
+    assert plan.architecture == "wide" and plan.fits and not plan.fixes
+
+    tight = ClusterShape(8, (total(1024) + total(2048)) // 2, True, True)
+    key, length, plan = largest(config, tight, at(1024), "context", "wide")
+    assert (length, plan.workload.engine["max_model_len"], plan.fits) == (1024, 1024, True)
+    assert plan.workload.micro_batch == micro_batch_shape(1024, 1024)
+
+    none = ClusterShape(8, total(1024) // 2, True, True)
+    key, length, plan = largest(config, none, at(1024), "context", "wide")
+    assert (key, length, plan.fits) == ("engine.max_model_len", None, False)
+    assert plan.workload.engine["max_model_len"] == 1024
+
+    sft_tight = ClusterShape(8, (total(1024, False) + total(2048, False)) // 2, True, True)
+    key, length, plan = largest(config, sft_tight, at(1024, engine=False), "context", "wide")
+    assert (key, length, plan.workload.engine, plan.fits) == ("max_length", 1024, None, True)
+
+
 def _handoff_bytes(config) -> int:
     """What the in-process sync allocates for this model (tirl.runtime.base.load_sources: every parameter,
     a tied one once, laid out by the handoff in the engines' bf16), about 2 bytes a parameter."""
