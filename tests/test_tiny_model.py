@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,3 +52,39 @@ def test_chat_template_renders_tool_turns_like_qwen(tiny_model_dir):
         "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n" in text
     )
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def _copy_score(model) -> float:
+    """Share of tokens whose own logit is the largest when every head of the last layer writes what it
+    reads from that token (value -> output, through the final norm to the tied unembedding)."""
+    emb = model.get_input_embeddings().weight
+    attn = model.model.layers[-1].self_attn
+    read = attn.v_proj(model.model.layers[-1].input_layernorm(emb))
+    logits = model.model.norm(attn.o_proj(read)) @ emb.T
+    return (logits.argmax(-1) == torch.arange(len(emb))).float().mean().item()
+
+
+def test_the_demo_preset_starts_with_copy_heads(tmp_path):
+    from tirl.tiny_model import create_tiny_model, init_copy_heads
+
+    model = AutoModelForCausalLM.from_pretrained(create_tiny_model(tmp_path / "demo", preset="demo", seed=3))
+    with torch.no_grad():
+        assert _copy_score(model) > 0.99
+        attn = model.model.layers[0].self_attn
+        d = attn.head_dim
+        for h in (0, 15):  # each head's value -> output map is a projection onto its own head_dim subspace
+            ov = attn.o_proj.weight[:, h * d : (h + 1) * d] @ attn.v_proj.weight[h * d : (h + 1) * d]
+            torch.testing.assert_close(ov @ ov, ov, atol=1e-5, rtol=0)
+            assert round(torch.trace(ov).item()) == d
+        plain = AutoModelForCausalLM.from_config(model.config)
+        assert _copy_score(plain) < 0.05  # a random init copies nothing
+        init_copy_heads(plain, seed=3)
+        assert _copy_score(plain) > 0.99
+
+
+def test_copy_heads_need_a_value_head_per_query_head(tiny_model_dir):
+    from tirl.tiny_model import init_copy_heads
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # 4 query heads share 2 value heads
+    with pytest.raises(ValueError, match="as many key/value heads as query heads"):
+        init_copy_heads(model)
