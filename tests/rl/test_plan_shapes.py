@@ -347,3 +347,35 @@ def test_a_lora_sync_packs_and_merges_only_the_adapted_layers(wide):
     assert plan.sync_buffer == pytest.approx(plan.sync_bytes, abs=64 * 7 * wide.num_hidden_layers)
     assert plan.sync_buffer < _handoff_bytes(wide) - 2 * wide.vocab_size * wide.hidden_size * 2
     assert plan.largest_tensor == wide.intermediate_size * wide.hidden_size * 4
+
+
+def test_the_largest_model_walks_the_family_down_from_the_largest(monkeypatch):
+    """--largest model: the family is tried from the most parameters down (whatever order it is listed
+    in) and the first that fits is the answer, with its own plan; on a GPU that holds nothing the answer
+    is none, with the smallest's plan. A family of Qwen3-14B's width at 1-3 layers stands in for
+    Qwen3's sizes (whose fake-tensor measurement takes minutes)."""
+    from transformers import Qwen3Config
+
+    from tirl.rl import plan as plan_module
+    from tirl.rl import planner
+    from tirl.rl.planner import largest, make_plan
+
+    family = {
+        name: QWEN3_14B | {"num_hidden_layers": n} for name, n in (("two", 2), ("three", 3), ("one", 1))
+    }
+    monkeypatch.setattr(planner, "QWEN3", family)
+    monkeypatch.setattr(plan_module, "ARCHITECTURES", plan_module.ARCHITECTURES | family)
+    workload = _workload()
+
+    def total(name: str) -> int:
+        roomy = ClusterShape(8, 80 * GiB, True, True)
+        return make_plan(Qwen3Config(**family[name]), roomy, workload, name).training_total
+
+    one, two, three = total("one"), total("two"), total("three")
+    assert one < two < three
+    asked = Qwen3Config(**family["one"])
+    for memory, answer in ((4 * three, "three"), ((two + three) // 2, "two"), ((one + two) // 2, "one")):
+        key, arch, plan = largest(asked, ClusterShape(8, memory, True, True), workload, "model", "one")
+        assert (key, arch, plan.architecture, plan.fits) == ("model", answer, answer, True)
+    key, arch, plan = largest(asked, ClusterShape(8, one // 2, True, True), workload, "model", "one")
+    assert (arch, plan.architecture, plan.fits) == (None, "one", False)

@@ -2,8 +2,9 @@
 
 A randomly initialized model learns to copy numbers ("Repeat: 812 40" -> "812 40") abruptly, in an
 induction-head phase change whose step moves with the seed, the float rounding and the thread count
-(docs/results.md, "why SFT fell"): a fixed step budget made the demo a coin toss. So the drills run
-until the skill is MEASURED: every `check_every` steps the model's greedy copy of held-out drills is
+(docs/results.md, "why SFT fell"): a fixed step budget made the demo a coin toss. The demo preset's
+copy heads (tirl.tiny_model.init_copy_heads) make the change early on every seed measured, and the
+drills still run until the skill is MEASURED: every `check_every` steps the model's greedy copy of held-out drills is
 checked (teacher-forced argmax over the whole completion: exactly what greedy decoding would emit),
 and the drills stop once `target` of them are copied exactly, or at `max_steps` (the outcome then
 says the model did not learn to copy, and the demo says so in one line).
