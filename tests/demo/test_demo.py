@@ -33,6 +33,18 @@ def test_shipped_settings_validate_and_take_section_overrides():
     assert not s.agent.use_chat_template  # the traces and the loop render the same built-in prompt
 
 
+def test_the_quick_preset_skips_the_drills_of_a_model_with_copy_heads():
+    """`tirl demo --quick` trains its SFT from the fresh demo-preset model (copy heads: tirl.tiny_model),
+    and the command line's overrides win over the preset's."""
+    from tirl.demo import quick_overrides
+    from tirl.tiny_model import PRESETS
+
+    s = load_settings(overrides=quick_overrides())
+    assert (s.demo.drill_steps, s.demo.shaped_drill_steps, s.demo.rl_steps) == (0, 0, 6)
+    assert PRESETS[s.demo.preset]["copy_heads"]
+    assert load_settings(overrides=[*quick_overrides(), "demo.drill_steps=300"]).demo.drill_steps == 300
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
