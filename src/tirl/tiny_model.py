@@ -43,7 +43,7 @@ PRESETS: dict[str, dict] = {
     # The CPU demo (~1M parameters): a token for every integer below 1000, so copying a number (problem
     # -> code, tool output -> answer) is one token; 2 layers of 16 heads, because a model with many heads
     # per layer learns to copy far sooner, and copy heads (init_copy_heads), with which it learns to copy
-    # in ~75 drill steps instead of 350-575 on every seed (configs/demo/drills.yaml has the measurements).
+    # in 75-100 drill steps instead of 325-575 on seeds 0-4 (configs/demo/drills.yaml, docs/results.md).
     "demo": {
         **_TINY,
         "num_hidden_layers": 2,
@@ -203,7 +203,7 @@ def init_copy_heads(model: torch.nn.Module, seed: int = 0) -> None:
     its logit rises: what a model needs to copy a number from a problem into code or from a tool's
     output into the answer. Pretraining gives a real model that; a model trained from scratch has to
     find it in an abrupt phase change whose step moves with the seed by hundreds of steps (docs/results.md,
-    issue 44). With copy heads it only learns WHERE to attend. Where to attend stays random (q, k untouched).
+    issue 44). With copy heads it only has to learn where to attend (queries and keys keep their random init).
     """
     gen = torch.Generator().manual_seed(seed)
     for layer in model.model.layers:
