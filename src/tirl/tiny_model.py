@@ -205,15 +205,14 @@ def init_copy_heads(model: torch.nn.Module, seed: int = 0) -> None:
     find it in an abrupt phase change whose step moves with the seed by hundreds of steps (docs/results.md,
     issue 44). With copy heads it only has to learn where to attend (queries and keys keep their random init).
     """
-    gen = torch.Generator().manual_seed(seed)
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        d, hidden = attn.head_dim, model.config.hidden_size
-        heads = attn.v_proj.weight.shape[0] // d
-        if heads != attn.o_proj.weight.shape[1] // d:
-            raise ValueError("copy heads need as many key/value heads as query heads")
-        with torch.no_grad():
-            for h in range(heads):
-                u, _ = torch.linalg.qr(torch.randn(hidden, d, generator=gen))
+    config = model.config
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise ValueError("copy heads need as many key/value heads as query heads")
+    d, gen = config.head_dim, torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for h in range(config.num_attention_heads):
+                u, _ = torch.linalg.qr(torch.randn(config.hidden_size, d, generator=gen))
                 attn.v_proj.weight[h * d : (h + 1) * d] = u.T
                 attn.o_proj.weight[:, h * d : (h + 1) * d] = u
