@@ -176,6 +176,26 @@ def test_the_server_takes_a_random_key_that_only_tirl_sends(stand_in, tiny_model
             asyncio.run(engine.close())
 
 
+def test_a_key_that_starts_with_a_dash_reaches_the_server_whole(stand_in, tiny_model_dir, monkeypatch):
+    """A url-safe key starts with '-' one time in 64 (a CI run met one): argparse must take it as the
+    key's value, not as a flag, or that server never starts."""
+    import secrets
+
+    import tirl.engines.sglang as sglang
+
+    key = "-" + secrets.token_urlsafe(32)
+    monkeypatch.setattr(sglang.secrets, "token_urlsafe", lambda nbytes=None: key)
+    cfg = EngineConfig(backend="sglang", model=str(tiny_model_dir), device="cpu", max_model_len=512)
+    engine = SGLangEngine(cfg)
+    try:
+        assert json.loads((stand_in / str(engine.port)).read_text())["key"] == key
+        assert len((stand_in / "starts").read_text().split()) == 1
+        gen = asyncio.run(engine.generate([1, 5, 6], SamplingParams(max_tokens=2)))
+        assert gen.token_ids == [7, 8]
+    finally:
+        asyncio.run(engine.close())
+
+
 def test_a_server_that_exits_while_starting_is_started_again_on_a_new_port(
     stand_in, tiny_model_dir, monkeypatch
 ):

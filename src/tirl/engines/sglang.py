@@ -49,7 +49,8 @@ START_TRIES = 3  # server starts, each on a new port, before one that exits whil
 
 # `python -m sglang.launch_server ... --api-key KEY`, with KEY taken from the environment: an argument
 # is readable by every user of the machine (/proc/PID/cmdline, `ps`), the environment only by its
-# owner. Popped, so SGLang's own workers do not inherit it.
+# owner. Popped, so SGLang's own workers do not inherit it. Joined as `--api-key=KEY`: a url-safe key
+# starts with '-' one time in 64, and argparse reads a separate '-...' value as a flag.
 # The server also tells the kernel to kill it when tirl dies (even by SIGKILL), itself, after exec:
 # Python code between fork and exec (a preexec_fn) can deadlock in a parent with threads, as tirl's are;
 # and the server's Python may lack tirl (tirl.lifetime.die_with_parent), so the prctl is spelt here.
@@ -57,7 +58,7 @@ LAUNCH = (
     "import ctypes, os, runpy, signal, sys; "
     "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "  # 1: PR_SET_PDEATHSIG
     f"os.getppid() == int(os.environ.pop({PARENT_ENV!r})) or sys.exit(1); "  # tirl died before the prctl
-    f"sys.argv += ['--api-key', os.environ.pop({API_KEY_ENV!r})]; "
+    f"sys.argv.append('--api-key=' + os.environ.pop({API_KEY_ENV!r})); "
     "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
 )
 
