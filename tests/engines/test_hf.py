@@ -223,3 +223,100 @@ async def test_sleep_on_a_gpu_frees_the_weights_and_wakes_up_the_same(tiny_model
         assert [a.token_ids for a in after] == [b.token_ids for b in before]
     finally:
         await gpu.close()
+
+
+def test_the_growing_cache_appends_in_place_and_matches_transformers_cache(tiny_model_dir):
+    """The decode loop's KV cache writes each token into spare room (no whole-cache copy per step),
+    adopts tensors assigned from outside, and gives the same logits as transformers' DynamicCache."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from tirl.engines.hf import _growing_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.randint(3, 200, (3, 20), generator=torch.Generator().manual_seed(0))
+
+    def decode(cache, steps: int = 12) -> tuple[torch.Tensor, list[int]]:
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        ptrs, logits = [], []
+        for t in range(steps):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            if t == 6:  # rows replaced from outside: the layer must copy them into a new buffer
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[[0, 2]], layer.values[[0, 2]]
+                nxt = nxt[[0, 2]]
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            ptrs.append(cache.layers[0].keys.data_ptr())
+            logits.append(out.logits[:, -1].flatten())
+        return torch.cat(logits), ptrs
+
+    with torch.inference_mode():
+        want, _ = decode(DynamicCache(config=model.config))
+        got, ptrs = decode(_growing_cache(model.config))
+    assert torch.equal(got, want)
+    # One buffer from the prefill up to the replacement, one after: steps 1-5 and 7-11 never move.
+    assert len(set(ptrs[:6])) == 1 and len(set(ptrs[6:])) == 1 and ptrs[0] != ptrs[6]
+
+
+def test_the_growing_cache_joins_and_evicts_rows_in_its_buffers(tiny_model_dir):
+    """A join of longer rows (the window widens to the left, both groups left-padded) and an eviction
+    (the last row moves into the hole) stay in the batch's buffers, and every row then decodes as it
+    does alone."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from tirl.engines.hf import _growing_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    gen = torch.Generator().manual_seed(1)
+    short, long = torch.randint(3, 200, (3, 20), generator=gen), torch.randint(3, 200, (2, 26), generator=gen)
+    rows = [*short, *long]
+
+    def solo(row: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        cache, logits = DynamicCache(config=model.config), []
+        out = model(input_ids=row[None], past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            out = model(
+                input_ids=out.logits[:, -1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True
+            )
+            logits.append(out.logits[0, -1])
+        return logits
+
+    with torch.inference_mode():
+        want = [solo(r, 4) for r in rows]
+        batch, joining = _growing_cache(model.config), _growing_cache(model.config)
+        first = model(input_ids=short, past_key_values=batch, use_cache=True).logits[:, -1]
+        second = model(input_ids=long, past_key_values=joining, use_cache=True).logits[:, -1]
+        buffers = [[b.data_ptr() for b in layer._buffers] for layer in batch.layers]
+        for layer, other in zip(batch.layers, joining.layers, strict=True):
+            layer.stack(other, 26)
+        assert batch.layers[0].keys.shape[:3] == (5, 2, 26)
+        assert torch.equal(
+            batch.layers[0].keys[:3, :, :6], torch.zeros(3, 2, 6, 32)
+        )  # the short rows' padding
+        mask = torch.cat([torch.zeros(3, 6, dtype=torch.long), torch.ones(3, 20, dtype=torch.long)], dim=1)
+        mask = torch.cat([mask, torch.ones(2, 26, dtype=torch.long)])
+        positions = torch.tensor([20, 20, 20, 26, 26])
+        nxt = torch.cat([first, second]).argmax(-1)
+        live = list(range(5))
+        for step in range(4):
+            if step == 2:  # row 1 leaves: row 4 moves into its place, column 0 is padding for all left
+                for layer in batch.layers:
+                    layer.compact([1], [4], 4, 0)
+                order = [0, 4, 2, 3]
+                live, mask, positions, nxt = (
+                    [live[i] for i in order],
+                    mask[order],
+                    positions[order],
+                    nxt[order],
+                )
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long)], dim=1)
+            out = model(
+                input_ids=nxt[:, None],
+                attention_mask=mask,
+                position_ids=positions[:, None],
+                past_key_values=batch,
+                use_cache=True,
+            )
+            for j, row in enumerate(live):
+                assert torch.allclose(out.logits[j, -1], want[row][step], atol=1e-5), (step, row)
+            positions, nxt = positions + 1, out.logits[:, -1].argmax(-1)
+    assert [[b.data_ptr() for b in layer._buffers] for layer in batch.layers] == buffers  # never reallocated

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tirl.devices import resolve_device, resolve_dtype
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
@@ -62,6 +63,96 @@ class _Batch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+def _growing_cache(config) -> DynamicCache:
+    """A DynamicCache of `_GrowingLayer`s (full attention only: the batch trims and pads every layer's
+    columns alike, which a sliding window's shorter cache does not allow)."""
+    cache = DynamicCache(config=config)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError(
+            f"the HF engine runs full-attention models only; {config.model_type} has sliding-window or "
+            "other cache layers: use engine.backend=vllm"
+        )
+    cache.layers = [_GrowingLayer() for _ in cache.layers]
+    return cache
+
+
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are windows into buffers with spare room on every side.
+
+    DynamicLayer concatenates its whole cache at every decode step, and the batch's joins and evictions
+    copied it again: O(cache) copies per token that took more of a CPU decode step of the demo's model
+    than the model did (benchmarks/hf_decode.py). Here a step writes its token after the window, a join
+    writes the joining rows below it (widening it to the left when they are longer: caches are
+    left-padded, right-aligned), and an eviction moves the last rows into the holes: each copies only
+    what is new or moved until a buffer runs out of room, when a larger one takes everything once.
+    """
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._buffers: list[torch.Tensor | None] = [None, None]
+        width = self.keys.shape[2] if self.keys.dim() == 4 else 0  # lazy_initialization: an empty 1-d tensor
+        self._resize(key_states.shape[0], 0, key_states.shape[2], (key_states, value_states))
+        self.keys[:, :, width:] = key_states
+        self.values[:, :, width:] = value_states
+        return self.keys, self.values
+
+    def stack(self, other: _GrowingLayer, width: int) -> None:
+        """Append `other`'s rows below ours, both left-padded with zeros to `width` columns."""
+        rows, old_width = self.keys.shape[0], self.keys.shape[2]
+        self._resize(rows + other.keys.shape[0], width - old_width, 0, (self.keys, self.values))
+        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            mine[:rows, :, : width - old_width].zero_()  # zeros, not garbage: 0 * NaN would reach real rows
+            mine[rows:, :, : width - theirs.shape[2]].zero_()
+            mine[rows:, :, width - theirs.shape[2] :] = theirs
+
+    def compact(self, holes: list[int], movers: list[int], rows: int, first: int) -> None:
+        """Keep the first `rows` rows, rows `movers` moved into `holes`, from column `first` on (in place)."""
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            if holes:
+                t[holes] = t[movers]
+            setattr(self, name, t[:rows, :, first:])
+
+    def _resize(self, rows: int, left: int, right: int, like: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Widen the window by `left` and `right` columns and make it `rows` tall: in place while the
+        buffers have room, else by one copy into new buffers with room again (O(1) amortized)."""
+        start = self._start()
+        width = self.keys.shape[2] if self.keys.dim() == 4 else 0  # lazy_initialization: an empty 1-d tensor
+        buf = self._buffers[0]
+        if (
+            start is not None
+            and rows <= buf.shape[0]
+            and left <= start
+            and start + width + right <= buf.shape[2]
+        ):
+            self.keys, self.values = (
+                b[:rows, :, start - left : start + width + right] for b in self._buffers
+            )
+            return
+        new_width = left + width + right
+        spare = max(64, new_width // 2)
+        windows = []
+        for slot, (old, t) in enumerate(((self.keys, like[0]), (self.values, like[1]))):
+            buf = t.new_empty(rows + max(8, rows // 2), t.shape[1], spare + new_width + spare, t.shape[-1])
+            self._buffers[slot] = buf
+            windows.append(buf[:rows, :, spare : spare + new_width])
+            if width:
+                windows[-1][: old.shape[0], :, left : left + width] = old
+        self.keys, self.values = windows
+
+    def _start(self) -> int | None:
+        """The column where the keys' window starts in its buffer; None if the keys are not in it (not
+        yet written, or assigned from outside)."""
+        buf = self._buffers[0]
+        keys = self.keys
+        if buf is None or keys.dim() != 4 or keys.stride() != buf.stride():
+            return None
+        if keys.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+            return None
+        return (keys.storage_offset() - buf.storage_offset()) // keys.stride(2)
 
 
 def _left_pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -228,8 +319,6 @@ class HFEngine:
         self._batch = _Batch()
 
     def _prefill(self, joining: list[_Request]) -> None:
-        from transformers import DynamicCache
-
         width = max(len(r.prompt_ids) for r in joining)
         ids = torch.zeros(len(joining), width, dtype=torch.long)
         mask = torch.zeros(len(joining), width, dtype=torch.long)
@@ -238,7 +327,7 @@ class HFEngine:
             mask[i, width - len(r.prompt_ids) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        cache = _growing_cache(self.model.config)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -269,10 +358,10 @@ class HFEngine:
     @staticmethod
     def _zero_padding(cache, mask: torch.Tensor) -> None:
         # Padded query rows attend to nothing; whatever they wrote must not leak as NaN into real rows.
-        keep = mask.bool()[:, None, :, None]
+        pad = ~mask.bool()[:, None, :, None]
         for layer in cache.layers:
-            layer.keys = torch.where(keep, layer.keys, 0.0)
-            layer.values = torch.where(keep, layer.values, 0.0)
+            layer.keys.masked_fill_(pad, 0.0)  # in place: the window stays in its buffer
+            layer.values.masked_fill_(pad, 0.0)
 
     def _merge(self, joining: list[_Request], cache, mask: torch.Tensor, positions: torch.Tensor) -> None:
         """Pad the joining group's cache and the running one to a common length and stack them."""
@@ -290,12 +379,7 @@ class HFEngine:
         width_old, width_new = b.mask.shape[1], mask.shape[1]
         width = max(width_old, width_new)
         for old, new in zip(b.cache.layers, cache.layers, strict=True):
-            old.keys = torch.cat(
-                [_left_pad(old.keys, width - width_old, 2), _left_pad(new.keys, width - width_new, 2)]
-            )
-            old.values = torch.cat(
-                [_left_pad(old.values, width - width_old, 2), _left_pad(new.values, width - width_new, 2)]
-            )
+            old.stack(new, width)
         b.mask = torch.cat([_left_pad(b.mask, width - width_old, 1), _left_pad(mask, width - width_new, 1)])
         b.positions = torch.cat([b.positions, positions])
         b.next_tokens = torch.cat([b.next_tokens, next_tokens])
@@ -334,19 +418,24 @@ class HFEngine:
 
     def _evict(self, done: list[int]) -> None:
         b = self._batch
-        keep = [i for i in range(len(b)) if i not in set(done)]
-        if not keep:
+        rows = len(b) - len(done)
+        if not rows:
             self._batch = _Batch()
             return
-        idx = torch.tensor(keep, device=self.device)
-        b.requests = [b.requests[i] for i in keep]
+        # The last rows kept move into the holes below `rows`: only they are copied, not the whole cache.
+        holes = [i for i in done if i < rows]
+        movers = [i for i in range(rows, len(b)) if i not in set(done)]
+        order = list(range(rows))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        idx = torch.tensor(order, device=self.device)
+        b.requests = [b.requests[i] for i in order]
         b.mask, b.positions, b.next_tokens = b.mask[idx], b.positions[idx], b.next_tokens[idx]
         # Drop the columns that are padding for every remaining row (the longest sequence left).
         first_real = int((b.mask.shape[1] - b.mask.sum(-1)).min())
         b.mask = b.mask[:, first_real:]
         for layer in b.cache.layers:
-            layer.keys = layer.keys[idx, :, first_real:]
-            layer.values = layer.values[idx, :, first_real:]
+            layer.compact(holes, movers, rows, first_real)
 
     @staticmethod
     def _resolve(req: _Request, result: Generation | Exception) -> None:
