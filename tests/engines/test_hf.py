@@ -320,3 +320,17 @@ def test_the_growing_cache_joins_and_evicts_rows_in_its_buffers(tiny_model_dir):
                 assert torch.allclose(out.logits[j, -1], want[row][step], atol=1e-5), (step, row)
             positions, nxt = positions + 1, out.logits[:, -1].argmax(-1)
     assert [[b.data_ptr() for b in layer._buffers] for layer in batch.layers] == buffers  # never reallocated
+
+
+def test_a_sliding_window_model_gets_a_clear_error_not_a_wrong_cache():
+    from transformers import Qwen3Config
+
+    from tirl.engines.hf import _growing_cache
+
+    config = Qwen3Config(
+        num_hidden_layers=2, use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None
+    )
+    with pytest.raises(ValueError, match=r"full-attention models only.*engine\.backend=vllm"):
+        _growing_cache(config)
+    config.use_sliding_window, config.layer_types = False, ["full_attention", "full_attention"]
+    assert len(_growing_cache(config).layers) == 2
