@@ -144,15 +144,16 @@ class _GrowingLayer(DynamicLayer):
         self.keys, self.values = windows
 
     def _start(self) -> int | None:
-        """The column where the keys' window starts in its buffer; None if the keys are not in it (not
-        yet written, or assigned from outside)."""
-        buf = self._buffers[0]
-        keys = self.keys
-        if buf is None or keys.dim() != 4 or keys.stride() != buf.stride():
-            return None
-        if keys.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
-            return None
-        return (keys.storage_offset() - buf.storage_offset()) // keys.stride(2)
+        """The column where the window starts in the buffers; None if the keys or values are not
+        windows of them (not yet written, or assigned from outside)."""
+        starts = set()
+        for t, buf in zip((self.keys, self.values), self._buffers, strict=True):
+            if buf is None or t.dim() != 4 or t.stride() != buf.stride():
+                return None
+            if t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+                return None
+            starts.add((t.storage_offset() - buf.storage_offset()) // t.stride(2))
+        return starts.pop() if len(starts) == 1 else None
 
 
 def _left_pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
