@@ -103,4 +103,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    from tirl.lifetime import children_die_with_me
+
+    children_die_with_me()  # its engines, sandboxes and workers die with it, even on kill -9
     asyncio.run(main())
