@@ -424,8 +424,9 @@ class HFEngine:
             self._batch = _Batch()
             return
         # The last rows kept move into the holes below `rows`: only they are copied, not the whole cache.
+        gone = set(done)
         holes = [i for i in done if i < rows]
-        movers = [i for i in range(rows, len(b)) if i not in set(done)]
+        movers = [i for i in range(rows, len(b)) if i not in gone]
         order = list(range(rows))
         for hole, mover in zip(holes, movers, strict=True):
             order[hole] = mover
