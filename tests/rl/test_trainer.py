@@ -48,8 +48,9 @@ def _write_config(tmp_path: Path, model_dir: Path, steps: tuple[int, int] = (3, 
         # All rewards are 0 for an untrained tiny model: the entropy bonus makes every update move the
         # weights, so later rollouts and losses depend on a correctly restored model and optimizer.
         "algorithm": {"prompts_per_step": 2, "group_size": 2, "mini_batches": 2, "entropy_coef": 0.1},
-        # A cosine schedule: the learning rate differs at every step, so a lost schedule shows.
-        "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine", "min_lr_ratio": 0.1, "device": "cpu"},
+        # A cosine schedule: the learning rate differs at every step, so a lost schedule shows (a
+        # one-step warm-up would give its first two steps the same rate: 1/1, then the cosine's start).
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "cosine", "min_lr_ratio": 0.1, "device": "cpu"},
         "stages": [
             {"name": "s1", "steps": steps[0], "data": str(data), "max_response_tokens": 20},
             {"name": "s2", "steps": steps[1], "data": str(data), "max_turns": 3},
@@ -126,7 +127,7 @@ def test_kill_mid_stage_then_resume_matches_uninterrupted_run(tiny_model_dir, tm
     assert [r["step"] for r in ref] == [1, 2, 3, 4, 5] and [r["stage"] for r in ref] == [0, 0, 0, 1, 1]
     assert ref[0]["roc/kept"] == 4 and ref[0]["roc/dropped"] == 4  # 2 prompts x (2G = 4 -> G = 2)
     lrs = [r["train/lr"] for r in ref]
-    assert len(set(lrs[:3])) == 3 and lrs[3] != lrs[2]  # cosine within a stage, warm-up restarts at s2
+    assert len(set(lrs[:3])) == 3 and lrs[3] != lrs[2]  # cosine within a stage, restarting at s2
     assert len({r["train/entropy"] for r in ref}) == 5  # every update changed the policy
 
     killed = tmp_path / "runs" / "killed"

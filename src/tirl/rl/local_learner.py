@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from tirl.rl.config import AlgorithmConfig
     from tirl.runtime.base import Runtime
 
+HOST = torch.device("cpu")  # where offloaded state waits while colocated engines use the GPU
+
 
 class LocalLearner:
     """The policy in this process; under torchrun each rank holds one and they act together."""
@@ -35,9 +37,10 @@ class LocalLearner:
     def update(self, samples: list[TrainSample] | Shard, alg: AlgorithmConfig) -> dict[str, Any]:
         """The whole step's batch (every torchrun rank takes its share), or this rank's `Shard` of it
         (a Ray trainer worker: the driver split it)."""
+        lr = self.policy.lr  # the rate this update uses (the schedule advances after it)
         metrics = grpo_update(self.policy, samples, alg)
         self.policy.advance_schedule()
-        return metrics | {"train/lr": self.policy.lr}
+        return metrics | {"train/lr": lr}
 
     def sync_tensors(self) -> dict[str, Source]:
         """What a sync carries (`sends`, decided once), each tensor made when it is sent: every parameter
@@ -66,25 +69,24 @@ class LocalLearner:
     def offload(self, what: str = "all") -> bool:
         """Colocated engines run in this rank's GPU memory meanwhile: the optimizer state ("optimizer",
         after an update), the parameters ("params", after the sync) or both go to host memory and the
-        cache is handed back to CUDA. On CPU there is nothing to free (False)."""
+        cache is handed back to CUDA. A policy in host memory has nothing to free (False)."""
         policy = self.policy
-        if policy.device.type != "cuda":
+        if policy.device.type == HOST.type:
             return False
         if what in ("all", "optimizer"):
             policy.optimizer.zero_grad(set_to_none=True)
-            _move_optimizer_state(policy.optimizer, torch.device("cpu"))
+            _move_optimizer_state(policy.optimizer, HOST)
         if what in ("all", "params"):
-            policy.model.to("cpu")  # FSDP2 re-points its sharded parameters on .to()
+            policy.model.to(HOST)  # FSDP2 re-points its sharded parameters on .to()
             if policy.reference is not None:  # the KL reference goes and comes back with the policy
-                policy.reference.to("cpu")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+                policy.reference.to(HOST)
+        _hand_back_cache(policy.device)
         return True
 
     def onload(self) -> bool:
         """Parameters and optimizer state back on the GPU before an update (no-op where resident)."""
         policy = self.policy
-        if policy.device.type != "cuda":
+        if policy.device.type == HOST.type:
             return False
         policy.model.to(policy.device)
         if policy.reference is not None:
@@ -105,6 +107,13 @@ class LocalLearner:
         self, run_dir: Path, step: int, tokenizer: PreTrainedTokenizerBase | None, state: dict, keep_last: int
     ) -> None:
         self.policy.save(run_dir, step, tokenizer, state, keep_last)
+
+
+def _hand_back_cache(device: torch.device) -> None:
+    """What this process freed on `device` goes back to the driver, for the engines to take."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

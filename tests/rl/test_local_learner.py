@@ -1,0 +1,157 @@
+"""`LocalLearner` (tirl.rl.local_learner): the policy in this process, as the trainer drives it.
+
+The colocated GPU step moves the policy between the GPU and host memory (offload/onload); CPU runs
+never take that path (the policy lives in host memory). Here it runs on real tensors with the meta
+device standing in for the memory that is not the policy's: the device as the GPU for onload, the
+host for offload (a meta tensor keeps its shape and loses its data, so each test moves one way).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tirl.distributed.groups import DistInfo
+from tirl.rl import local_learner
+from tirl.rl.checkpoint import load_trainer_state
+from tirl.rl.config import AlgorithmConfig, OptimConfig
+from tirl.rl.local_learner import LocalLearner
+from tirl.rl.policy import Policy, TrainSample
+
+META = torch.device("meta")
+BATCH = [TrainSample([5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1], 1.0), TrainSample([5, 6, 9, 8], [0, 1, 1], -1.0)]
+
+
+def _learner(model_dir, steps: int = 4) -> LocalLearner:
+    optim = OptimConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=256, device="cpu")
+    return LocalLearner(Policy(str(model_dir), optim, DistInfo(0, 1, torch.device("cpu")), total_steps=steps))
+
+
+def _trained(model_dir) -> LocalLearner:
+    """A learner after one update: gradients and Adam state exist, as after a colocated step's update."""
+    learner = _learner(model_dir)
+    learner.update([TrainSample(s.input_ids, s.loss_mask, s.advantage) for s in BATCH], AlgorithmConfig())
+    learner.policy.snapshot_reference()
+    for p in learner.policy.model.parameters():  # gradients held (the update frees its own: a guard)
+        p.grad = torch.ones_like(p)
+    return learner
+
+
+def _devices(learner: LocalLearner) -> dict[str, set[str]]:
+    p = learner.policy
+    state = [v for st in p.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {
+        "params": {t.device.type for t in p.model.parameters()},
+        "reference": {t.device.type for t in p.reference.parameters()},
+        "optimizer": {t.device.type for t in state},
+    }
+
+
+def test_the_update_returns_the_step_metrics_and_the_learning_rate_it_used(tiny_model_dir):
+    learner = _learner(tiny_model_dir, steps=4)
+    learner.policy.optim_cfg.schedule = "cosine"
+    lrs = []
+    for _ in range(2):
+        lr = learner.policy.lr
+        metrics = learner.update(
+            [TrainSample(s.input_ids, s.loss_mask, s.advantage) for s in BATCH], AlgorithmConfig()
+        )
+        assert metrics["train/lr"] == lr and "train/loss" in metrics
+        lrs.append(lr)
+    assert learner.policy.lr < lrs[1] <= lrs[0]  # the schedule advanced once per update
+
+
+@pytest.mark.parametrize("what", ["all", "optimizer", "params"])
+def test_offload_moves_what_it_names_to_the_host_and_hands_the_cache_back(tiny_model_dir, monkeypatch, what):
+    learner = _trained(tiny_model_dir)
+    handed = []
+    monkeypatch.setattr(local_learner, "HOST", META)  # the host, for this test
+    monkeypatch.setattr(local_learner, "_hand_back_cache", handed.append)
+    assert learner.offload(what) is True
+    moved = {"all": {"params", "reference", "optimizer"}, "optimizer": {"optimizer"}}.get(
+        what, {"params", "reference"}
+    )
+    assert _devices(learner) == {
+        k: {"meta" if k in moved else "cpu"} for k in ("params", "reference", "optimizer")
+    }
+    if "optimizer" in moved:  # gradients freed with the optimizer state, not carried to the host
+        assert all(p.grad is None for p in learner.policy.model.parameters())
+    else:
+        assert any(p.grad is not None for p in learner.policy.model.parameters())
+    assert handed == [torch.device("cpu")]  # the policy's device gives its cache back
+
+
+def test_onload_brings_parameters_reference_and_optimizer_state_back_to_the_device(tiny_model_dir):
+    learner = _trained(tiny_model_dir)
+    learner.policy.device = META  # the GPU, for this test
+    assert learner.onload() is True
+    assert _devices(learner) == {"params": {"meta"}, "reference": {"meta"}, "optimizer": {"meta"}}
+
+
+def test_a_policy_in_host_memory_has_nothing_to_offload_or_onload(tiny_model_dir, monkeypatch):
+    learner = _trained(tiny_model_dir)
+    handed = []
+    monkeypatch.setattr(local_learner, "_hand_back_cache", handed.append)
+    before = _devices(learner)
+    assert learner.offload() is False and learner.onload() is False
+    assert _devices(learner) == before and handed == []
+    assert any(p.grad is not None for p in learner.policy.model.parameters())
+
+
+def test_the_cache_goes_back_to_cuda_only_from_a_cuda_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache", None)))
+    local_learner._hand_back_cache(torch.device("cpu"))
+    assert calls == []
+    gpu = torch.device("cuda", 1)
+    local_learner._hand_back_cache(gpu)
+    assert calls == [("synchronize", gpu), ("empty_cache", None)]  # its work done before it frees
+
+
+def test_optimizer_state_moves_tensors_only_and_leaves_those_already_there(monkeypatch):
+    here, scalar = torch.zeros(2), 3
+    elsewhere = torch.zeros(2, device=META)
+    optimizer = SimpleNamespace(state={"a": {"exp_avg": here, "steps": scalar, "kept": elsewhere}})
+    local_learner._move_optimizer_state(optimizer, META)
+    state = optimizer.state["a"]
+    assert state["exp_avg"].device == META and state["steps"] == 3 and state["kept"] is elsewhere
+
+
+def test_a_sync_over_a_transport_other_than_load_is_refused_by_name(tiny_model_dir):
+    learner = _learner(tiny_model_dir)
+    with pytest.raises(ValueError, match="in-process engines, not over 'ray'"):
+        learner.sync_weights(SimpleNamespace(transport="ray"))
+
+
+def test_a_rank_without_engines_gathers_every_tensor_in_the_order_rank_0_sends_them(
+    tiny_model_dir, monkeypatch
+):
+    learner = _learner(tiny_model_dir)
+    sources = learner.sync_tensors()
+    gathered = []
+    monkeypatch.setattr(local_learner, "gathered", gathered.append)  # the collective each rank joins
+    assert learner.sync_weights(None) == {"sync/tensors": 0.0, "sync/bytes": 0.0}
+    assert [id(t) for t in gathered] == [id(t) for t in sources.values()]
+    assert list(sources) == [n for n, _ in learner.policy.model.named_parameters()]
+
+
+def test_save_restore_and_a_fresh_optimizer_go_to_the_policy(tiny_model_dir, tmp_path):
+    learner = _trained(tiny_model_dir)
+    learner.save(tmp_path, 3, None, {"step": 3, "note": "x"}, keep_last=1)
+    state = load_trainer_state(tmp_path / "checkpoints" / "step_000003")
+    assert state["note"] == "x" and state["step"] == 3
+    saved = {n: p.detach().clone() for n, p in learner.policy.model.named_parameters()}
+    other = _learner(tiny_model_dir)
+    other.restore(state)
+    assert all(torch.equal(p, saved[n]) for n, p in other.policy.model.named_parameters())
+    assert (
+        other.policy.optimizer.state_dict()["state"].keys()
+        == learner.policy.optimizer.state_dict()["state"].keys()
+    )
+    other.reset_optimizer(9)
+    assert other.policy.optimizer.state_dict()["state"] == {}
+    other.snapshot_reference()
+    assert all(torch.equal(p, saved[n]) for n, p in other.policy.reference.named_parameters())
