@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tirl.distributed.groups import DistInfo
 from tirl.rl import local_learner
@@ -69,7 +70,7 @@ def test_offload_moves_what_it_names_to_the_host_and_hands_the_cache_back(tiny_m
     handed = []
     monkeypatch.setattr(local_learner, "HOST", META)  # the host, for this test
     monkeypatch.setattr(local_learner, "_hand_back_cache", handed.append)
-    assert learner.offload(what) is True
+    assert (learner.offload() if what == "all" else learner.offload(what)) is True  # "all": the default
     moved = {"all": {"params", "reference", "optimizer"}, "optimizer": {"optimizer"}}.get(
         what, {"params", "reference"}
     )
@@ -126,6 +127,18 @@ def test_a_sync_over_a_transport_other_than_load_is_refused_by_name(tiny_model_d
         learner.sync_weights(SimpleNamespace(transport="ray"))
 
 
+def test_engines_in_this_process_get_every_tensor_for_the_policys_device(tiny_model_dir):
+    learner = _learner(tiny_model_dir)
+    learner.policy.device = META  # the GPU rank 0's engines pack their buffer on
+    calls = []
+    runtime = SimpleNamespace(
+        transport="load", load_sources=lambda s, d: calls.append((s, d)) or {"sync/tensors": 1}
+    )
+    assert learner.sync_weights(runtime) == {"sync/tensors": 1}
+    [(sources, device)] = calls
+    assert device == META and list(sources) == [n for n, _ in learner.policy.model.named_parameters()]
+
+
 def test_a_rank_without_engines_gathers_every_tensor_in_the_order_rank_0_sends_them(
     tiny_model_dir, monkeypatch
 ):
@@ -140,8 +153,11 @@ def test_a_rank_without_engines_gathers_every_tensor_in_the_order_rank_0_sends_t
 
 def test_save_restore_and_a_fresh_optimizer_go_to_the_policy(tiny_model_dir, tmp_path):
     learner = _trained(tiny_model_dir)
-    learner.save(tmp_path, 3, None, {"step": 3, "note": "x"}, keep_last=1)
-    state = load_trainer_state(tmp_path / "checkpoints" / "step_000003")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    learner.save(tmp_path, 3, tokenizer, {"step": 3, "note": "x"}, keep_last=1)
+    ckpt = tmp_path / "checkpoints" / "step_000003"
+    assert AutoTokenizer.from_pretrained(ckpt / "model").get_vocab() == tokenizer.get_vocab()
+    state = load_trainer_state(ckpt)
     assert state["note"] == "x" and state["step"] == 3
     saved = {n: p.detach().clone() for n, p in learner.policy.model.named_parameters()}
     other = _learner(tiny_model_dir)
@@ -152,6 +168,6 @@ def test_save_restore_and_a_fresh_optimizer_go_to_the_policy(tiny_model_dir, tmp
         == learner.policy.optimizer.state_dict()["state"].keys()
     )
     other.reset_optimizer(9)
-    assert other.policy.optimizer.state_dict()["state"] == {}
+    assert other.policy.optimizer.state_dict()["state"] == {} and other.policy.total_steps == 9
     other.snapshot_reference()
     assert all(torch.equal(p, saved[n]) for n, p in other.policy.reference.named_parameters())
