@@ -1,0 +1,198 @@
+"""`RayLearner` (tirl.rl.ray_learner), the driver's side: what each trainer worker is sent, and the
+persistent weight-sync group it keeps with the engines. The workers and engines here are actors that
+keep what they were called with (their own side, the real TrainerWorker and vLLM engines, runs in
+tests/runtime/test_ray.py's clusters, minutes a test): what crosses from the driver is the point.
+
+- an update: each worker gets its own shard of the step's batch (put in the object store once per
+  shard), not the whole batch by value to every worker (issue 41, item 5);
+- a sync: the group of trainer rank 0 and the engines' ranks (a tensor-parallel engine brings each of
+  its workers) is formed at the first sync and again only when the engines changed or one was revived,
+  every member's end of the old one shut first."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tests.rl.dist_worker import fixed_samples
+
+from tirl.distributed.groups import DistInfo
+from tirl.rl.config import AlgorithmConfig
+from tirl.rl.update import Shard, shard_samples
+
+ray = pytest.importorskip("ray")
+
+from tirl.rl.ray_learner import RayLearner  # noqa: E402
+from tirl.runtime.ray_cluster import ClusterError  # noqa: E402
+
+
+class Received:
+    """A trainer worker's `call` seam that keeps what it was sent (the worker's learner is beside the
+    point here: what crosses from the driver is)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, object]] = []
+
+    def call(self, method: str, *args: object) -> dict[str, float]:
+        self.got.append((method, args[0]))
+        return {"train/loss": 0.0}
+
+    def received(self) -> list[tuple[str, object]]:
+        return self.got
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=1, include_dashboard=False, namespace="tirl-test-shards", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_each_ray_worker_receives_only_its_own_shard(local_ray):
+    world, alg = 3, AlgorithmConfig(mini_batches=2)
+    samples = fixed_samples(vocab=50, n=11, seed=4)
+    workers = [ray.remote(num_cpus=0)(Received).remote() for _ in range(world)]
+    learner = RayLearner(workers, bucket_bytes=2**20, backend="gloo", sends="full")
+    learner.update(samples, alg)
+    seen: list[list[int]] = []
+    for rank, worker in enumerate(workers):
+        [(method, shard)] = ray.get(worker.received.remote())
+        assert method == "update" and isinstance(shard, Shard), type(shard)
+        # exactly what grpo_update on this rank trains from the whole batch, mini-batch by mini-batch
+        info = DistInfo(rank, world, torch.device("cpu"))
+        want = [shard_samples(samples[m::2], info) for m in range(2)]
+        assert [[s.input_ids for s in mini] for mini in shard.minis] == [
+            [s.input_ids for s in mini] for mini in want
+        ]
+        assert shard.sequences == len(samples)
+        seen += [s.input_ids for mini in shard.minis for s in mini]
+    # together the shards are the batch, each sample sent to one worker only
+    assert sorted(seen) == sorted(s.input_ids for s in samples) and len(seen) == len(samples)
+
+
+class Member:
+    """One end of the sync group (trainer rank 0 or an engine), keeping the calls it got, in order."""
+
+    def __init__(self, reply: object = None) -> None:
+        self.calls: list[tuple] = []
+        self.reply = reply
+
+    def _got(self, *call: object) -> object:
+        self.calls.append(call)
+        return self.reply
+
+    def call(self, method: str, *args: object) -> object:
+        return self._got(method, *args)
+
+    def address(self) -> tuple[str, int]:
+        return ("10.0.0.7", 29555)
+
+    def join_sync(self, group, rank: int = 0) -> None:
+        self._got("join", group.host, group.port, group.world_size, group.backend, rank)
+
+    def leave_sync(self) -> None:
+        self._got("leave")
+
+    def send_weights(self, bucket_bytes: int, dtype: str | None) -> object:
+        return self._got("send", bucket_bytes, dtype)
+
+    def receive_sync(self) -> None:
+        self._got("receive")
+
+    def got(self) -> list[tuple]:
+        return self.calls
+
+
+class Fleet:
+    """The runtime's engines as the sync sees them (tirl.runtime.ray.ActorFleet's two sync calls)."""
+
+    def __init__(self, members: list) -> None:
+        self.members, self.synced_with = members, []
+
+    def sync_targets(self) -> list:
+        return self.members
+
+    def synced(self, members: list) -> None:
+        self.synced_with.append([m.name for m in members])
+        for m in members:
+            m.revived = False
+
+
+def _engine(name: str, ranks: int = 1, dtype: str = "torch.bfloat16"):
+    actor = ray.remote(num_cpus=0)(Member).remote()
+    return SimpleNamespace(name=name, ranks=ranks, dtype=dtype, revived=False, up=True, actor=actor)
+
+
+def _calls(actor) -> list[tuple]:
+    return ray.get(actor.got.remote())
+
+
+def _workers(replies: list[object]) -> list:
+    return [ray.remote(num_cpus=0)(Member).remote(r) for r in replies]
+
+
+def test_the_sync_group_is_formed_once_and_again_only_when_its_engines_change(local_ray):
+    stats = {"sync/tensors": 9.0, "sync/bytes": 123.0}
+    workers = _workers([stats, {"sync/tensors": -1.0}])  # rank 1's answer is not the step's
+    learner = RayLearner(workers, bucket_bytes=2**20, backend="nccl", sends="full")
+    a, b = _engine("a", ranks=2), _engine("b")  # a: tensor parallel 2, two members of the group
+    runtime = SimpleNamespace(fleet=Fleet([a, b]))
+
+    first = learner.sync_weights(runtime)
+    assert first == stats | {"sync/engines": 2.0, "sync/group_formed": 1.0}
+    group = ("join", "10.0.0.7", 29555, 4, "nccl")  # rank 0 + a's 2 + b's 1, where rank 0 listens
+    assert _calls(workers[0]) == [(*group, 0), ("send", 2**20, "torch.bfloat16")]
+    assert _calls(workers[1]) == [("send", 2**20, "torch.bfloat16")]  # its gathers, no group of its own
+    assert _calls(a.actor) == [(*group, 1), ("receive",)] and _calls(b.actor) == [(*group, 3), ("receive",)]
+    assert runtime.fleet.synced_with == [["a", "b"]]
+
+    assert learner.sync_weights(runtime)["sync/group_formed"] == 0.0  # the same engines: the same group
+    assert _calls(b.actor)[2:] == [("receive",)]
+
+    b.revived = True  # a new process: it knows no group, so it is formed again
+    assert learner.sync_weights(runtime)["sync/group_formed"] == 1.0
+    assert _calls(workers[0])[3:] == [("leave",), (*group, 0), ("send", 2**20, "torch.bfloat16")]
+    assert [c[0] for c in _calls(a.actor)[3:]] == ["leave", "join", "receive"]
+    assert runtime.fleet.synced_with[-1] == ["a", "b"] and not b.revived
+
+    b.up = False  # b died: the others leave the old group, b took its end along; a forms one alone
+    runtime.fleet.members = [a]
+    assert learner.sync_weights(runtime) == stats | {"sync/engines": 1.0, "sync/group_formed": 1.0}
+    assert _calls(workers[0])[-2][:4] == ("join", "10.0.0.7", 29555, 3)  # rank 0 + a's 2
+    assert [c[0] for c in _calls(b.actor)] == ["join", "receive", "receive", "leave", "join", "receive"]
+
+    learner.close()
+    assert _calls(workers[0])[-1] == ("leave",) and _calls(a.actor)[-1] == ("receive",)
+
+
+def test_a_sync_without_a_runtime_does_nothing_and_one_without_ray_engines_says_so(local_ray):
+    [worker] = _workers([None])
+    learner = RayLearner([worker], bucket_bytes=2**20, backend="gloo", sends="lora")
+    assert learner.sync_weights(None) == {}  # a trainer-only stage: nothing to sync
+    with pytest.raises(ClusterError, match="needs engines from the ray runtime"):
+        learner.sync_weights(SimpleNamespace(fleet=None))
+    assert _calls(worker) == [] and learner.sends == "lora"
+
+
+def test_every_rank_takes_every_call_with_its_arguments(local_ray):
+    workers = _workers([False, True])
+    learner = RayLearner(workers, bucket_bytes=2**20, backend="gloo", sends="full")
+    assert learner.offload("params") is True and learner.onload() is True  # any rank that moved says so
+    assert learner.offload() is True
+    learner.reset_optimizer(7)
+    learner.snapshot_reference()
+    learner.restore({"step": 3})
+    learner.save("run", 3, "tok", {"step": 3}, 2)
+    want = [
+        ("offload", "params"),
+        ("onload",),
+        ("offload", "all"),
+        ("reset_optimizer", 7),
+        ("snapshot_reference",),
+        ("restore", {"step": 3}),
+        ("save", "run", 3, "tok", {"step": 3}, 2),
+    ]
+    assert [_calls(w) for w in workers] == [want, want]
+    quiet = RayLearner(_workers([False, False]), bucket_bytes=2**20, backend="gloo", sends="full")
+    assert quiet.offload() is False and quiet.onload() is False  # no rank held GPU memory
