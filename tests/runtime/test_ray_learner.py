@@ -27,54 +27,13 @@ from tirl.rl.ray_learner import RayLearner  # noqa: E402
 from tirl.runtime.ray_cluster import ClusterError  # noqa: E402
 
 
-class Received:
-    """A trainer worker's `call` seam that keeps what it was sent (the worker's learner is beside the
-    point here: what crosses from the driver is)."""
-
-    def __init__(self) -> None:
-        self.got: list[tuple[str, object]] = []
-
-    def call(self, method: str, *args: object) -> dict[str, float]:
-        self.got.append((method, args[0]))
-        return {"train/loss": 0.0}
-
-    def received(self) -> list[tuple[str, object]]:
-        return self.got
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False, namespace="tirl-test-shards", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_each_ray_worker_receives_only_its_own_shard(local_ray):
-    world, alg = 3, AlgorithmConfig(mini_batches=2)
-    samples = fixed_samples(vocab=50, n=11, seed=4)
-    workers = [ray.remote(num_cpus=0)(Received).remote() for _ in range(world)]
-    learner = RayLearner(workers, bucket_bytes=2**20, backend="gloo", sends="full")
-    learner.update(samples, alg)
-    seen: list[list[int]] = []
-    for rank, worker in enumerate(workers):
-        [(method, shard)] = ray.get(worker.received.remote())
-        assert method == "update" and isinstance(shard, Shard), type(shard)
-        # exactly what grpo_update on this rank trains from the whole batch, mini-batch by mini-batch
-        info = DistInfo(rank, world, torch.device("cpu"))
-        want = [shard_samples(samples[m::2], info) for m in range(2)]
-        assert [[s.input_ids for s in mini] for mini in shard.minis] == [
-            [s.input_ids for s in mini] for mini in want
-        ]
-        assert shard.sequences == len(samples)
-        seen += [s.input_ids for mini in shard.minis for s in mini]
-    # together the shards are the batch, each sample sent to one worker only
-    assert sorted(seen) == sorted(s.input_ids for s in samples) and len(seen) == len(samples)
-
-
 class Member:
     """One end of the sync group (trainer rank 0 or an engine), keeping the calls it got, in order."""
 
-    def __init__(self, reply: object = None) -> None:
+    def __init__(self) -> None:
+        self.reset(None)
+
+    def reset(self, reply: object) -> None:
         self.calls: list[tuple] = []
         self.reply = reply
 
@@ -119,24 +78,61 @@ class Fleet:
             m.revived = False
 
 
-def _engine(name: str, ranks: int = 1, dtype: str = "torch.bfloat16"):
-    actor = ray.remote(num_cpus=0)(Member).remote()
-    return SimpleNamespace(name=name, ranks=ranks, dtype=dtype, revived=False, up=True, actor=actor)
+@pytest.fixture(scope="module")
+def pool():
+    """Recording actors, started once (each is a worker process: a second or two) and reset per use."""
+    ray.init(num_cpus=1, include_dashboard=False, namespace="tirl-test-ray-learner", log_to_driver=False)
+    yield [ray.remote(num_cpus=0)(Member).remote() for _ in range(4)]
+    ray.shutdown()
+
+
+def _take(pool: list, replies: list[object]) -> list:
+    """len(replies) actors of the pool, their records cleared, each answering its reply."""
+    ray.get([actor.reset.remote(r) for actor, r in zip(pool, replies, strict=False)])
+    return pool[: len(replies)]
 
 
 def _calls(actor) -> list[tuple]:
     return ray.get(actor.got.remote())
 
 
-def _workers(replies: list[object]) -> list:
-    return [ray.remote(num_cpus=0)(Member).remote(r) for r in replies]
+def _engine(actor, name: str, ranks: int = 1, dtype: str = "torch.bfloat16"):
+    return SimpleNamespace(name=name, ranks=ranks, dtype=dtype, revived=False, up=True, actor=actor)
 
 
-def test_the_sync_group_is_formed_once_and_again_only_when_its_engines_change(local_ray):
+def test_each_ray_worker_receives_only_its_own_shard(pool):
+    world, alg = 3, AlgorithmConfig(mini_batches=2)
+    samples = fixed_samples(vocab=50, n=11, seed=4)
+    workers = _take(pool, [{"train/loss": 0.0}] * world)
+    learner = RayLearner(workers, bucket_bytes=2**20, backend="gloo", sends="full")
+    learner.update(samples, alg)
+    seen: list[list[int]] = []
+    for rank, worker in enumerate(workers):
+        [(method, shard, got_alg)] = _calls(worker)
+        assert got_alg == alg
+        assert method == "update" and isinstance(shard, Shard), type(shard)
+        # exactly what grpo_update on this rank trains from the whole batch, mini-batch by mini-batch
+        info = DistInfo(rank, world, torch.device("cpu"))
+        want = [shard_samples(samples[m::2], info) for m in range(2)]
+        assert [[s.input_ids for s in mini] for mini in shard.minis] == [
+            [s.input_ids for s in mini] for mini in want
+        ]
+        assert shard.sequences == len(samples)
+        seen += [s.input_ids for mini in shard.minis for s in mini]
+    # together the shards are the batch, each sample sent to one worker only
+    assert sorted(seen) == sorted(s.input_ids for s in samples) and len(seen) == len(samples)
+
+
+def test_the_sync_group_is_formed_once_and_again_only_when_its_engines_change(pool):
     stats = {"sync/tensors": 9.0, "sync/bytes": 123.0}
-    workers = _workers([stats, {"sync/tensors": -1.0}])  # rank 1's answer is not the step's
+    *workers, a_actor, b_actor = _take(
+        pool, [stats, {"sync/tensors": -1.0}, None, None]
+    )  # rank 1's: not the step's
     learner = RayLearner(workers, bucket_bytes=2**20, backend="nccl", sends="full")
-    a, b = _engine("a", ranks=2), _engine("b")  # a: tensor parallel 2, two members of the group
+    a, b = (
+        _engine(a_actor, "a", ranks=2),
+        _engine(b_actor, "b"),
+    )  # a: tensor parallel 2, two members of the group
     runtime = SimpleNamespace(fleet=Fleet([a, b]))
 
     first = learner.sync_weights(runtime)
@@ -166,8 +162,8 @@ def test_the_sync_group_is_formed_once_and_again_only_when_its_engines_change(lo
     assert _calls(workers[0])[-1] == ("leave",) and _calls(a.actor)[-1] == ("receive",)
 
 
-def test_a_sync_without_a_runtime_does_nothing_and_one_without_ray_engines_says_so(local_ray):
-    [worker] = _workers([None])
+def test_a_sync_without_a_runtime_does_nothing_and_one_without_ray_engines_says_so(pool):
+    [worker] = _take(pool, [None])
     learner = RayLearner([worker], bucket_bytes=2**20, backend="gloo", sends="lora")
     assert learner.sync_weights(None) == {}  # a trainer-only stage: nothing to sync
     with pytest.raises(ClusterError, match="needs engines from the ray runtime"):
@@ -175,8 +171,8 @@ def test_a_sync_without_a_runtime_does_nothing_and_one_without_ray_engines_says_
     assert _calls(worker) == [] and learner.sends == "lora"
 
 
-def test_every_rank_takes_every_call_with_its_arguments(local_ray):
-    workers = _workers([False, True])
+def test_every_rank_takes_every_call_with_its_arguments(pool):
+    workers = _take(pool, [False, True])
     learner = RayLearner(workers, bucket_bytes=2**20, backend="gloo", sends="full")
     assert learner.offload("params") is True and learner.onload() is True  # any rank that moved says so
     assert learner.offload() is True
@@ -194,5 +190,5 @@ def test_every_rank_takes_every_call_with_its_arguments(local_ray):
         ("save", "run", 3, "tok", {"step": 3}, 2),
     ]
     assert [_calls(w) for w in workers] == [want, want]
-    quiet = RayLearner(_workers([False, False]), bucket_bytes=2**20, backend="gloo", sends="full")
+    quiet = RayLearner(_take(pool, [False, False]), bucket_bytes=2**20, backend="gloo", sends="full")
     assert quiet.offload() is False and quiet.onload() is False  # no rank held GPU memory
