@@ -30,12 +30,13 @@ from tirl.runtime.ray_cluster import ClusterError  # noqa: E402
 class Member:
     """One end of the sync group (trainer rank 0 or an engine), keeping the calls it got, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int) -> None:
+        self.n = n  # its node: 10.0.0.n
         self.reset(None)
 
-    def reset(self, reply: object) -> None:
+    def reset(self, reply: object, refuse_join: bool = False) -> None:
         self.calls: list[tuple] = []
-        self.reply = reply
+        self.reply, self.refuse_join = reply, refuse_join
 
     def _got(self, *call: object) -> object:
         self.calls.append(call)
@@ -45,10 +46,12 @@ class Member:
         return self._got(method, *args)
 
     def address(self) -> tuple[str, int]:
-        return ("10.0.0.7", 29555)
+        return (f"10.0.0.{self.n}", 29555)
 
     def join_sync(self, group, rank: int = 0) -> None:
         self._got("join", group.host, group.port, group.world_size, group.backend, rank)
+        if self.refuse_join:
+            raise ConnectionError(f"member {self.n} could not reach {group.host}")
 
     def leave_sync(self) -> None:
         self._got("leave")
@@ -82,7 +85,7 @@ class Fleet:
 def pool():
     """Recording actors, started once (each is a worker process: a second or two) and reset per use."""
     ray.init(num_cpus=1, include_dashboard=False, namespace="tirl-test-ray-learner", log_to_driver=False)
-    yield [ray.remote(num_cpus=0)(Member).remote() for _ in range(4)]
+    yield [ray.remote(num_cpus=0)(Member).remote(n) for n in range(4)]
     ray.shutdown()
 
 
@@ -103,9 +106,9 @@ def _engine(actor, name: str, ranks: int = 1, dtype: str = "torch.bfloat16"):
 def test_each_ray_worker_receives_only_its_own_shard(pool):
     world, alg = 3, AlgorithmConfig(mini_batches=2)
     samples = fixed_samples(vocab=50, n=11, seed=4)
-    workers = _take(pool, [{"train/loss": 0.0}] * world)
+    workers = _take(pool, [{"train/loss": float(rank)} for rank in range(world)])
     learner = RayLearner(workers, bucket_bytes=2**20, backend="gloo", sends="full")
-    learner.update(samples, alg)
+    assert learner.update(samples, alg) == {"train/loss": 0.0}  # rank 0's (all-reduced: all say the same)
     seen: list[list[int]] = []
     for rank, worker in enumerate(workers):
         [(method, shard, got_alg)] = _calls(worker)
@@ -137,7 +140,7 @@ def test_the_sync_group_is_formed_once_and_again_only_when_its_engines_change(po
 
     first = learner.sync_weights(runtime)
     assert first == stats | {"sync/engines": 2.0, "sync/group_formed": 1.0}
-    group = ("join", "10.0.0.7", 29555, 4, "nccl")  # rank 0 + a's 2 + b's 1, where rank 0 listens
+    group = ("join", "10.0.0.0", 29555, 4, "nccl")  # rank 0 + a's 2 + b's 1, where rank 0 listens
     assert _calls(workers[0]) == [(*group, 0), ("send", 2**20, "torch.bfloat16")]
     assert _calls(workers[1]) == [("send", 2**20, "torch.bfloat16")]  # its gathers, no group of its own
     assert _calls(a.actor) == [(*group, 1), ("receive",)] and _calls(b.actor) == [(*group, 3), ("receive",)]
@@ -155,11 +158,25 @@ def test_the_sync_group_is_formed_once_and_again_only_when_its_engines_change(po
     b.up = False  # b died: the others leave the old group, b took its end along; a forms one alone
     runtime.fleet.members = [a]
     assert learner.sync_weights(runtime) == stats | {"sync/engines": 1.0, "sync/group_formed": 1.0}
-    assert _calls(workers[0])[-2][:4] == ("join", "10.0.0.7", 29555, 3)  # rank 0 + a's 2
+    assert _calls(workers[0])[-2][:4] == ("join", "10.0.0.0", 29555, 3)  # rank 0 + a's 2
     assert [c[0] for c in _calls(b.actor)] == ["join", "receive", "receive", "leave", "join", "receive"]
 
     learner.close()
     assert _calls(workers[0])[-1] == ("leave",) and _calls(a.actor)[-1] == ("receive",)
+
+
+@pytest.mark.parametrize("who", ["trainer rank 0", "an engine"])
+def test_a_member_that_cannot_join_fails_the_sync_and_the_next_one_forms_the_group_again(pool, who):
+    worker, engine_actor = _take(pool, [{"sync/tensors": 1.0}, None])
+    refusing = worker if who == "trainer rank 0" else engine_actor
+    ray.get(refusing.reset.remote((refusing is worker and {"sync/tensors": 1.0}) or None, True))
+    learner = RayLearner([worker], bucket_bytes=2**20, backend="gloo", sends="full")
+    runtime = SimpleNamespace(fleet=Fleet([_engine(engine_actor, "a")]))
+    with pytest.raises(ConnectionError, match=r"could not reach 10\.0\.0\.0"):
+        learner.sync_weights(runtime)
+    assert runtime.fleet.synced_with == []  # nothing was sent
+    ray.get(refusing.reset.remote((refusing is worker and {"sync/tensors": 1.0}) or None))
+    assert learner.sync_weights(runtime)["sync/group_formed"] == 1.0
 
 
 def test_a_sync_without_a_runtime_does_nothing_and_one_without_ray_engines_says_so(pool):
