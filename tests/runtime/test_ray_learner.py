@@ -34,9 +34,10 @@ class Member:
         self.n = n  # its node: 10.0.0.n
         self.reset(None)
 
-    def reset(self, reply: object, refuse_join: bool = False) -> None:
+    def reset(self, reply: object, refuse: tuple[str, ...] = ()) -> None:
+        """`refuse`: the calls ("join", "leave") that fail, as a member that cannot reach the group."""
         self.calls: list[tuple] = []
-        self.reply, self.refuse_join = reply, refuse_join
+        self.reply, self.refuse = reply, refuse
 
     def _got(self, *call: object) -> object:
         self.calls.append(call)
@@ -50,11 +51,13 @@ class Member:
 
     def join_sync(self, group, rank: int = 0) -> None:
         self._got("join", group.host, group.port, group.world_size, group.backend, rank)
-        if self.refuse_join:
+        if "join" in self.refuse:
             raise ConnectionError(f"member {self.n} could not reach {group.host}")
 
     def leave_sync(self) -> None:
         self._got("leave")
+        if "leave" in self.refuse:
+            raise ConnectionError(f"member {self.n} is gone")
 
     def send_weights(self, bucket_bytes: int, dtype: str | None) -> object:
         return self._got("send", bucket_bytes, dtype)
@@ -163,20 +166,45 @@ def test_the_sync_group_is_formed_once_and_again_only_when_its_engines_change(po
 
     learner.close()
     assert _calls(workers[0])[-1] == ("leave",) and _calls(a.actor)[-1] == ("receive",)
+    ray.get(workers[0].reset.remote(stats))
+    learner.sync_weights(runtime)  # after the close a sync forms a group, with nothing left to shut
+    assert [c[0] for c in _calls(workers[0])] == ["join", "send"]
 
 
 @pytest.mark.parametrize("who", ["trainer rank 0", "an engine"])
 def test_a_member_that_cannot_join_fails_the_sync_and_the_next_one_forms_the_group_again(pool, who):
-    worker, engine_actor = _take(pool, [{"sync/tensors": 1.0}, None])
-    refusing = worker if who == "trainer rank 0" else engine_actor
-    ray.get(refusing.reset.remote((refusing is worker and {"sync/tensors": 1.0}) or None, True))
+    stats = {"sync/tensors": 1.0}
+    worker, engine_actor = _take(pool, [stats, None])
+    refusing, reply = (worker, stats) if who == "trainer rank 0" else (engine_actor, None)
     learner = RayLearner([worker], bucket_bytes=2**20, backend="gloo", sends="full")
-    runtime = SimpleNamespace(fleet=Fleet([_engine(engine_actor, "a")]))
+    a = _engine(engine_actor, "a")
+    runtime = SimpleNamespace(fleet=Fleet([a]))
+    learner.sync_weights(runtime)
+    a.revived = True  # the group is formed again...
+    ray.get(refusing.reset.remote(reply, ("join",)))  # ...and one member cannot join it
     with pytest.raises(ConnectionError, match=r"could not reach 10\.0\.0\.0"):
         learner.sync_weights(runtime)
-    assert runtime.fleet.synced_with == []  # nothing was sent
-    ray.get(refusing.reset.remote((refusing is worker and {"sync/tensors": 1.0}) or None))
+    assert runtime.fleet.synced_with == [["a"]]  # nothing was sent the second time
+    ray.get([worker.reset.remote(stats), engine_actor.reset.remote(None)])
     assert learner.sync_weights(runtime)["sync/group_formed"] == 1.0
+    # the old group was shut before the failed try: nobody is asked to leave it twice
+    assert [c[0] for c in _calls(worker)] == ["join", "send"]
+    assert [c[0] for c in _calls(engine_actor)] == ["join", "receive"]
+
+
+def test_an_end_that_cannot_be_shut_stops_neither_a_new_group_nor_the_close(pool):
+    stats = {"sync/tensors": 1.0}
+    worker, engine_actor = _take(pool, [stats, None])
+    learner = RayLearner([worker], bucket_bytes=2**20, backend="gloo", sends="full")
+    a = _engine(engine_actor, "a")
+    runtime = SimpleNamespace(fleet=Fleet([a]))
+    learner.sync_weights(runtime)
+    a.revived = True
+    ray.get([worker.reset.remote(stats, ("leave",)), engine_actor.reset.remote(None, ("leave",))])
+    assert learner.sync_weights(runtime)["sync/group_formed"] == 1.0  # the failed leaves are passed over
+    assert [c[0] for c in _calls(worker)] == ["leave", "join", "send"]
+    learner.close()  # rank 0's end is gone too: the run still ends cleanly
+    assert _calls(worker)[-1] == ("leave",)
 
 
 def test_a_sync_without_a_runtime_does_nothing_and_one_without_ray_engines_says_so(pool):
