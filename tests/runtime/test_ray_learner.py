@@ -214,6 +214,11 @@ def test_a_sync_without_a_runtime_does_nothing_and_one_without_ray_engines_says_
     with pytest.raises(ClusterError, match="needs engines from the ray runtime"):
         learner.sync_weights(SimpleNamespace(fleet=None))
     assert _calls(worker) == [] and learner.sends == "lora"
+    # no engine up to receive (every one died, none came back): rank 0 alone, in no dtype of theirs
+    ray.get(worker.reset.remote({"sync/tensors": 2.0}))
+    stats = learner.sync_weights(SimpleNamespace(fleet=Fleet([])))
+    assert stats == {"sync/tensors": 2.0, "sync/engines": 0.0, "sync/group_formed": 1.0}
+    assert _calls(worker) == [("join", "10.0.0.0", 29555, 1, "gloo", 0), ("send", 2**20, None)]
 
 
 def test_every_rank_takes_every_call_with_its_arguments(pool):
