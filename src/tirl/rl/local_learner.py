@@ -110,7 +110,7 @@ class LocalLearner:
 
 
 def _hand_back_cache(device: torch.device) -> None:
-    """What this process freed on `device` goes back to the driver, for the engines to take."""
+    """What this process freed on `device` goes back to the CUDA driver, for the engines to take."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
