@@ -42,11 +42,14 @@ def _trained(model_dir) -> LocalLearner:
 
 def _devices(learner: LocalLearner) -> dict[str, set[str]]:
     p = learner.policy
-    state = [v for st in p.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    state = [
+        (k, v) for st in p.optimizer.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)
+    ]
     return {
         "params": {t.device.type for t in p.model.parameters()},
         "reference": {t.device.type for t in p.reference.parameters()},
-        "optimizer": {t.device.type for t in state},
+        "optimizer": {t.device.type for k, t in state if k != "step"},
+        "steps": {t.device.type for k, t in state if k == "step"},  # AdamW's counters: always the host's
     }
 
 
@@ -74,9 +77,8 @@ def test_offload_moves_what_it_names_to_the_host_and_hands_the_cache_back(tiny_m
     moved = {"all": {"params", "reference", "optimizer"}, "optimizer": {"optimizer"}}.get(
         what, {"params", "reference"}
     )
-    assert _devices(learner) == {
-        k: {"meta" if k in moved else "cpu"} for k in ("params", "reference", "optimizer")
-    }
+    want = {k: {"meta" if k in moved else "cpu"} for k in ("params", "reference", "optimizer")}
+    assert _devices(learner) == want | {"steps": {"cpu"}}  # AdamW's counters never leave the host
     if "optimizer" in moved:  # gradients freed with the optimizer state, not carried to the host
         assert all(p.grad is None for p in learner.policy.model.parameters())
     else:
@@ -88,7 +90,12 @@ def test_onload_brings_parameters_reference_and_optimizer_state_back_to_the_devi
     learner = _trained(tiny_model_dir)
     learner.policy.device = META  # the GPU, for this test
     assert learner.onload() is True
-    assert _devices(learner) == {"params": {"meta"}, "reference": {"meta"}, "optimizer": {"meta"}}
+    assert _devices(learner) == {
+        "params": {"meta"},
+        "reference": {"meta"},
+        "optimizer": {"meta"},
+        "steps": {"cpu"},
+    }
 
 
 def test_a_policy_in_host_memory_has_nothing_to_offload_or_onload(tiny_model_dir, monkeypatch):
@@ -112,13 +119,21 @@ def test_the_cache_goes_back_to_cuda_only_from_a_cuda_device(monkeypatch):
     assert calls == [("synchronize", gpu), ("empty_cache", None)]  # its work done before it frees
 
 
-def test_optimizer_state_moves_tensors_only_and_leaves_those_already_there(monkeypatch):
-    here, scalar = torch.zeros(2), 3
+def test_optimizer_state_moves_but_adams_steps_stay_where_torch_keeps_them():
+    plain, captured = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     elsewhere = torch.zeros(2, device=META)
-    optimizer = SimpleNamespace(state={"a": {"exp_avg": here, "steps": scalar, "kept": elsewhere}})
-    local_learner._move_optimizer_state(optimizer, META)
-    state = optimizer.state["a"]
-    assert state["exp_avg"].device == META and state["steps"] == 3 and state["kept"] is elsewhere
+    state = {
+        plain: {"exp_avg": torch.zeros(2), "step": torch.tensor(3.0), "count": 3, "kept": elsewhere},
+        captured: {"exp_avg": torch.zeros(2), "step": torch.tensor(3.0)},
+    }
+    groups = [
+        {"params": [plain], "fused": None, "capturable": False},
+        {"params": [captured], "capturable": True},
+    ]
+    local_learner._move_optimizer_state(SimpleNamespace(state=state, param_groups=groups), META)
+    assert state[plain]["exp_avg"].device == META and state[plain]["step"].device.type == "cpu"
+    assert state[plain]["count"] == 3 and state[plain]["kept"] is elsewhere
+    assert state[captured]["exp_avg"].device == META and state[captured]["step"].device == META  # capturable
 
 
 def test_a_sync_over_a_transport_other_than_load_is_refused_by_name(tiny_model_dir):

@@ -117,7 +117,14 @@ def _hand_back_cache(device: torch.device) -> None:
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != device:
-                state[key] = value.to(device, non_blocking=True)
+    """Every state tensor to `device`, but Adam's `step` counters stay where torch keeps them: on the
+    host unless the optimizer is fused or capturable (on the GPU, reading one is a sync per parameter
+    at every step)."""
+    for group in optimizer.param_groups:
+        steps_on_host = not (group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if key == "step" and steps_on_host:
+                    continue
+                if isinstance(value, torch.Tensor) and value.device != device:
+                    optimizer.state[param][key] = value.to(device, non_blocking=True)
