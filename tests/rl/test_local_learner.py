@@ -120,20 +120,23 @@ def test_the_cache_goes_back_to_cuda_only_from_a_cuda_device(monkeypatch):
 
 
 def test_optimizer_state_moves_but_adams_steps_stay_where_torch_keeps_them():
-    plain, captured = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    plain, captured, fused, fresh = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
     elsewhere = torch.zeros(2, device=META)
     state = {
         plain: {"exp_avg": torch.zeros(2), "step": torch.tensor(3.0), "count": 3, "kept": elsewhere},
         captured: {"exp_avg": torch.zeros(2), "step": torch.tensor(3.0)},
-    }
+        fused: {"exp_avg": torch.zeros(2), "step": torch.tensor(3.0)},
+    }  # `fresh` has no state yet (no update since the optimizer was made)
     groups = [
-        {"params": [plain], "fused": None, "capturable": False},
+        {"params": [plain, fresh], "fused": None, "capturable": False},
         {"params": [captured], "capturable": True},
+        {"params": [fused], "fused": True},
     ]
     local_learner._move_optimizer_state(SimpleNamespace(state=state, param_groups=groups), META)
     assert state[plain]["exp_avg"].device == META and state[plain]["step"].device.type == "cpu"
-    assert state[plain]["count"] == 3 and state[plain]["kept"] is elsewhere
-    assert state[captured]["exp_avg"].device == META and state[captured]["step"].device == META  # capturable
+    assert state[plain]["count"] == 3 and state[plain]["kept"] is elsewhere and fresh not in state
+    for p in (captured, fused):  # their steps live beside the parameters
+        assert state[p]["exp_avg"].device == META and state[p]["step"].device == META
 
 
 def test_a_sync_over_a_transport_other_than_load_is_refused_by_name(tiny_model_dir):
