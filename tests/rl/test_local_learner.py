@@ -22,7 +22,14 @@ from tirl.rl.local_learner import LocalLearner
 from tirl.rl.policy import Policy, TrainSample
 
 META = torch.device("meta")
-BATCH = [TrainSample([5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1], 1.0), TrainSample([5, 6, 9, 8], [0, 1, 1], -1.0)]
+
+
+def _batch() -> list[TrainSample]:
+    """A fixed batch, made anew each time (an update writes its log-probs into the samples)."""
+    return [
+        TrainSample([5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1], 1.0),
+        TrainSample([5, 6, 9, 8], [0, 1, 1], -1.0),
+    ]
 
 
 def _learner(model_dir, steps: int = 4) -> LocalLearner:
@@ -33,7 +40,7 @@ def _learner(model_dir, steps: int = 4) -> LocalLearner:
 def _trained(model_dir) -> LocalLearner:
     """A learner after one update: gradients and Adam state exist, as after a colocated step's update."""
     learner = _learner(model_dir)
-    learner.update([TrainSample(s.input_ids, s.loss_mask, s.advantage) for s in BATCH], AlgorithmConfig())
+    learner.update(_batch(), AlgorithmConfig())
     learner.policy.snapshot_reference()
     for p in learner.policy.model.parameters():  # gradients held (the update frees its own: a guard)
         p.grad = torch.ones_like(p)
@@ -59,9 +66,7 @@ def test_the_update_returns_the_step_metrics_and_the_learning_rate_it_used(tiny_
     lrs = []
     for _ in range(2):
         lr = learner.policy.lr
-        metrics = learner.update(
-            [TrainSample(s.input_ids, s.loss_mask, s.advantage) for s in BATCH], AlgorithmConfig()
-        )
+        metrics = learner.update(_batch(), AlgorithmConfig())
         assert metrics["train/lr"] == lr and "train/loss" in metrics
         lrs.append(lr)
     assert learner.policy.lr < lrs[1] <= lrs[0]  # the schedule advanced once per update
