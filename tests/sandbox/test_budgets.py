@@ -147,25 +147,6 @@ async def test_idle_sessions_cannot_hold_the_memory_stateless_calls_need():
         assert sb.health()["memory_reserved_mb"] == 0
 
 
-def test_admission_keeps_the_calls_share_and_lets_calls_use_what_sessions_leave():
-    from tirl.sandbox.admission import Admission, SessionError
-
-    rule = Admission(max_queue=8, max_sessions=8, budget_mb=1000, calls_reserve_mb=300)
-    rule.admit_session(400)
-    rule.admit_session(300)
-    with pytest.raises(SessionError, match="700 of the 700 MiB they may share"):
-        rule.admit_session(1)
-    assert rule.reserve_call(300) is None, "the calls' share is free whatever the sessions hold"
-    assert "do not fit" in (rule.reserve_call(1) or "")
-    rule.release_call(300)
-    rule.release_session(400)
-    assert rule.reserve_call(600) is None, "calls may use what sessions leave free"
-    with pytest.raises(SessionError, match="held by running calls"):
-        rule.admit_session(200)
-    with pytest.raises(ValueError, match="calls_reserve_mb"):
-        Admission(max_queue=1, max_sessions=1, budget_mb=100, calls_reserve_mb=200)
-
-
 def _post_head(length: int) -> bytes:
     return (
         "POST /run HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer t\r\n"
