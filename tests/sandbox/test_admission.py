@@ -58,7 +58,8 @@ def test_the_queue_refuses_when_full_or_closed_and_not_a_call_before():
 def test_a_call_that_fills_the_budget_exactly_runs_and_one_mebibyte_more_does_not():
     r = rule()
     r.admit_session(300)
-    assert r.reserve_call(700) is None and r.calls_mb == 700 and r.reserved_mb == 1000
+    assert r.reserve_call(400) is None and r.reserve_call(300) is None
+    assert r.calls_mb == 700 and r.reserved_mb == 1000
     assert r.reserve_call(1) == (
         "memory budget: 1000 of 1000 MiB are held by running calls (700 MiB) and live sessions (300 MiB), "
         "1 MiB more do not fit (retry later or ask for less memory)"
