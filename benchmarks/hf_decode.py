@@ -35,12 +35,12 @@ from tirl.tiny_model import create_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module_at(rev: str) -> ModuleType:
-    """tirl/engines/hf.py as it was at `rev`, imported under another name."""
+def _module_at(rev: str, work: Path) -> ModuleType:
+    """tirl/engines/hf.py as it was at `rev`, written into `work` and imported under another name."""
     source = subprocess.run(
         ["git", "show", f"{rev}:src/tirl/engines/hf.py"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
-    path = Path(tempfile.mkdtemp(prefix="tirl-hf-baseline-")) / "hf_baseline.py"
+    path = work / "hf_baseline.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("hf_baseline", path)
     module = importlib.util.module_from_spec(spec)
@@ -67,7 +67,7 @@ async def _round(engine, prompts: list[list[int]], tokens: int, turns: int) -> t
     return sum(map(len, outs)) / (time.perf_counter() - start), outs
 
 
-async def main() -> None:
+async def main(work: Path) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=96)
@@ -77,9 +77,9 @@ async def main() -> None:
     ap.add_argument("--baseline", default="77de694")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = create_tiny_model(tempfile.mkdtemp(prefix="tirl-hf-decode-"), preset="demo")
+    model_dir = create_tiny_model(work / "model", preset="demo")
     cfg = EngineConfig(model=str(model_dir), device="cpu", max_model_len=1024, max_batch_size=args.requests)
-    engines = {"baseline": _module_at(args.baseline).HFEngine(cfg), "new": hf.HFEngine(cfg)}
+    engines = {"baseline": _module_at(args.baseline, work).HFEngine(cfg), "new": hf.HFEngine(cfg)}
     gen = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(3, 1000, (60 + 5 * (i % 8),), generator=gen).tolist() for i in range(args.requests)
@@ -106,4 +106,5 @@ if __name__ == "__main__":
     from tirl.lifetime import children_die_with_me
 
     children_die_with_me()  # its engines, sandboxes and workers die with it, even on kill -9
-    asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="tirl-hf-decode-") as tmp:  # the model and the baseline
+        asyncio.run(main(Path(tmp)))

@@ -58,7 +58,7 @@ async def replay(engine: HFEngine, traj: Trajectory) -> None:
         await engine.generate(ctx, SamplingParams(temperature=0.0, max_tokens=n))
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace, work: Path) -> None:
     import torch
 
     from tirl.tiny_model import create_tiny_model
@@ -67,7 +67,7 @@ async def main(args: argparse.Namespace) -> None:
     # each other (measured: 10-20x slower elementwise ops at 2 threads than at 1).
     torch.set_num_threads(args.threads)
 
-    model_dir = create_tiny_model(Path(tempfile.mkdtemp()) / "tiny", preset=args.preset)
+    model_dir = create_tiny_model(work / "tiny", preset=args.preset)
     tok = load_tokenizer(model_dir)
     cfg = AgentConfig(
         system_prompt="Use the tool.",
@@ -132,4 +132,5 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--budget", type=int, default=1024, help="response tokens per trajectory")
-    asyncio.run(main(p.parse_args()))
+    with tempfile.TemporaryDirectory(prefix="tirl-rollout-overlap-") as tmp:  # the taught tiny model
+        asyncio.run(main(p.parse_args(), Path(tmp)))

@@ -84,7 +84,7 @@ async def measure(engines, mode: str, policy: dict, plans: list[Plan], max_len: 
     return m
 
 
-def main() -> None:
+def main(work: Path) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model dir (default: a fresh tiny model)")
     ap.add_argument("--trajectories", type=int, default=48)
@@ -102,7 +102,7 @@ def main() -> None:
     if not model:
         from tirl.tiny_model import create_tiny_model
 
-        model = str(create_tiny_model(Path(tempfile.mkdtemp(prefix="tirl-tiny-")), preset="tiny"))
+        model = str(create_tiny_model(work / "tiny", preset="tiny"))
     cfg = EngineConfig(backend="vllm", model=model, kv_cache_gb=args.kv_gb, max_model_len=args.max_len + 64)
     engines = [VLLMEngine(cfg, name=f"vllm{i}") for i in range(2)]
     from transformers import AutoConfig
@@ -150,4 +150,5 @@ if __name__ == "__main__":
     from tirl.lifetime import children_die_with_me
 
     children_die_with_me()  # its engines, sandboxes and workers die with it, even on kill -9
-    main()
+    with tempfile.TemporaryDirectory(prefix="tirl-scheduler-real-") as tmp:  # the tiny model, unless --model
+        main(Path(tmp))
