@@ -512,6 +512,24 @@ async def test_wall_time_is_the_cells_own_in_milliseconds_and_last_used_its_star
 
 
 @PIPES_ONLY
+async def test_a_slow_start_is_not_idle_time(proc, monkeypatch):
+    clock = fake_clock(monkeypatch, 100.0)
+    s = session(proc, started=False)
+    clock.now = 130.0  # the interpreter took 30 s to come up: the idle reaper must not count them
+    proc.write(result=forkserver.STARTED + forkserver.SESSION_DONE)
+    assert (await s.start(Limits())).status == Status.OK
+    assert s.last_used == 130.0
+
+
+@PIPES_ONLY
+async def test_the_addresses_a_cell_reports_come_back_as_a_list(proc):
+    s = session(proc)
+    proc.report(outcome="ok", addresses="0x7f3a1c2b4d10 0x7f3a1c2b4e50")
+    r = await s.run_cell("print(object())", "", 5.0)
+    assert r.status == Status.OK and r.extra["addresses"] == ["0x7f3a1c2b4d10", "0x7f3a1c2b4e50"]
+
+
+@PIPES_ONLY
 async def test_start_gives_the_interpreter_the_cell_timeout_plus_10_s(proc, monkeypatch):
     seen = []
     real = Session._exchange
