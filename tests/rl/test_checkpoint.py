@@ -18,12 +18,15 @@ from tirl.rl.checkpoint import (
     AGENT_FILE,
     PROMPT_FIELDS,
     RUN_FILES,
+    LocalModel,
     agent_settings_warning,
     checkpoint_model_dir,
+    export_model,
     latest_checkpoint,
     latest_model_dir,
     list_checkpoints,
     load_trainer_state,
+    locate_model,
     prepare_run_dir,
     read_saved_training_state,
     resolve_model_path,
@@ -168,6 +171,29 @@ def test_resaving_a_step_replaces_it_whole(tmp_path):
     assert load_trainer_state(path)["v"] == 2
 
 
+def test_a_resave_that_also_prunes_leaves_only_the_kept_checkpoints_on_disk(tmp_path):
+    """What a reader listing checkpoints/ sees after the save: the replaced copy of the step and the
+    pruned step are both gone, not left under their hidden names."""
+    save(tmp_path, 1, keep_last=2)
+    save(tmp_path, 2, keep_last=2)
+    save(tmp_path, 2, keep_last=1, state={"step": 2, "v": "again"})  # replaces step 2, prunes step 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
+    assert load_trainer_state(tmp_path / "checkpoints" / "step_000002")["v"] == "again"
+
+
+def test_a_prune_this_process_left_half_done_is_finished_by_the_next_save(tmp_path):
+    """A kill between moving an old checkpoint aside and deleting it leaves it under this process's
+    hidden name (a recycled pid meets it again): the next prune replaces it and nothing hidden stays."""
+    import os
+
+    save(tmp_path, 1, keep_last=1)
+    left = tmp_path / "checkpoints" / f".tmp_step_000001_old-{os.getpid()}"
+    (left / "model").mkdir(parents=True)
+    (left / "model" / "half-deleted").write_text("x")
+    save(tmp_path, 2, keep_last=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
+
+
 @pytest.mark.parametrize("keep_last", [1, 2, 3])
 def test_pruning_keeps_exactly_the_newest_keep_last(tmp_path, keep_last):
     for step in (9, 10, 100, 1000):
@@ -292,6 +318,7 @@ def test_prepare_run_dir_on_a_fresh_directory_says_nothing(tmp_path):
     said = []
     assert prepare_run_dir(cfg.run_dir, cfg, resume=False, is_main=True, say=said.append) is None
     assert said == [] and (cfg.run_dir / "config.yaml").is_file()
+    assert cfg.run_dir.stat().st_mode & 0o777 == 0o700, "a run directory is its owner's only"
     fresh = _bare_cfg(tmp_path / "other")
     assert prepare_run_dir(fresh.run_dir, fresh, resume=False, is_main=False, say=said.append) is None
     assert not fresh.run_dir.exists()
@@ -432,6 +459,9 @@ def test_lora_checkpoints_and_adapters_resolve_to_their_merged_model(tmp_path, m
     assert checkpoint_model_dir(ckpt) == ckpt / "model" and resolve_model_path(str(ckpt)) == str(
         ckpt / "model"
     )
+    assert locate_model(ckpt) == LocalModel(model=ckpt / "model")  # model/ wins over adapter/
+    (ckpt / "model" / "config.json").unlink()
+    assert locate_model(run) == locate_model(ckpt) == LocalModel(adapter=ckpt / "adapter", checkpoint=ckpt)
     plain = tmp_path / "ck"  # no adapter: its model/
     assert checkpoint_model_dir(plain) == plain / "model"
     adapter = tmp_path / "my-adapter"
@@ -459,3 +489,74 @@ def test_an_old_checkpoint_that_cannot_be_pruned_does_not_fail_the_save(tmp_path
     monkeypatch.setattr(os, "rmdir", rmdir)
     path, _, _ = save(tmp_path, 2, keep_last=1)
     assert load_trainer_state(path)["step"] == 2 and latest_checkpoint(tmp_path) == path
+
+
+# ---- `tirl export` from each kind of directory, and its refusals (a LoRA merge: test_lora.py) ----
+
+
+def _model_dir(path: Path, marker: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_text(marker)
+    return path
+
+
+def test_export_copies_a_model_directory_and_says_when_it_replaced_one(tmp_path):
+    src, out = _model_dir(tmp_path / "m", "weights-1"), tmp_path / "out"
+    assert export_model(src, out) == f"wrote {out}: a copy of {src}"
+    assert (out / "model.safetensors").read_text() == "weights-1"
+    (src / "model.safetensors").write_text("weights-2")
+    assert (
+        export_model(str(src), str(out))
+        == f"wrote {out} (replacing the model that was there): a copy of {src}"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "model.safetensors").read_text() == "weights-2"
+
+
+def test_export_of_a_run_copies_its_newest_checkpoints_model(tmp_path):
+    run = tmp_path / "run"
+    _model_dir(run / "checkpoints" / "step_000001" / "model", "old")
+    newest = _model_dir(run / "checkpoints" / "step_000002" / "model", "new")
+    out = tmp_path / "out"
+    assert export_model(run, out) == f"wrote {out}: a copy of {newest}"
+    assert (out / "model.safetensors").read_text() == "new"
+
+
+def test_export_of_an_adapter_merges_it_into_the_out_directory(tmp_path, monkeypatch):
+    import tirl.rl.lora as lora
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
+    (ckpt / "adapter").mkdir(parents=True)
+    (ckpt / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": "org/base"}')
+    merges = []
+    monkeypatch.setattr(
+        lora, "merge_adapter", lambda adapter, out, replace: merges.append((adapter, out, replace))
+    )
+    out = tmp_path / "out"
+    said = export_model(tmp_path / "run", out)
+    assert merges == [(ckpt / "adapter", out, True)]
+    assert said == f"wrote {out}: the adapter {ckpt / 'adapter'} merged into its base org/base"
+
+
+def test_export_refusals_are_one_line_and_write_nothing(tmp_path):
+    src = _model_dir(tmp_path / "m", "w")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    cases = [
+        (tmp_path / "none", tmp_path / "o1", FileNotFoundError,
+         f"model {tmp_path / 'none'}: no such directory; give a tirl run, checkpoint, peft adapter or model directory"),
+        (tmp_path / "empty", tmp_path / "o2", FileNotFoundError,
+         f"model {tmp_path / 'empty'}: not a tirl run, checkpoint, peft adapter or model directory "
+         "(no model/, adapter/, config.json or adapter_config.json)"),
+        (tmp_path / "run", tmp_path / "o3", FileNotFoundError,
+         f"model {tmp_path / 'run'}: no checkpoint under {tmp_path / 'run'}/checkpoints"),
+        (src, src, FileExistsError, f"--out {src}: it holds the model being exported; choose another directory"),
+        (src, tmp_path, FileExistsError, f"--out {tmp_path}: it holds the model being exported; choose another directory"),
+    ]  # fmt: skip
+    for source, out, kind, message in cases:
+        with pytest.raises(kind) as err:
+            export_model(source, out)
+        assert str(err.value) == message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "m", "run"]
+    assert sorted(p.name for p in src.iterdir()) == ["config.json", "model.safetensors"]
