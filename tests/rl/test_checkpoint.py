@@ -14,6 +14,7 @@ import yaml
 
 from tirl.agent.config import AgentConfig
 from tirl.config import ConfigError
+from tirl.distributed.checkpoint_reader import CheckpointRefused
 from tirl.rl.checkpoint import (
     AGENT_FILE,
     PROMPT_FIELDS,
@@ -29,6 +30,7 @@ from tirl.rl.checkpoint import (
     locate_model,
     prepare_run_dir,
     read_saved_training_state,
+    refuse_outside_links,
     resolve_model_path,
     rng_states,
     save_checkpoint,
@@ -560,3 +562,88 @@ def test_export_refusals_are_one_line_and_write_nothing(tmp_path):
         assert str(err.value) == message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "m", "run"]
     assert sorted(p.name for p in src.iterdir()) == ["config.json", "model.safetensors"]
+
+
+# ---- what a checkpoint may make this process do: nothing but load tensors and plain values ----
+
+
+class _Payload:
+    """Pickles as a call that writes a marker file: a trainer_state.pt built to run code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def _refusal(ckpt: Path, why: str) -> str:
+    return (
+        f"checkpoint {ckpt}: refused: {why}. A checkpoint written by an older tirl looks like this: if you "
+        f"trust it (you or tirl wrote it), convert it once with `tirl convert-checkpoint {ckpt}`"
+    )
+
+
+def test_a_trainer_state_that_runs_code_is_refused_even_where_torch_is_told_to_allow_it(
+    tmp_path, monkeypatch
+):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (set for some other tool) makes torch.load without an explicit
+    weights_only unpickle anything: the checkpoint's load must still refuse to run code."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    marker = tmp_path / "ran"
+    ckpt = tmp_path / "step_000001"
+    ckpt.mkdir()
+    torch.save({"step": 1, "payload": _Payload(marker)}, ckpt / "trainer_state.pt")
+    with pytest.raises(CheckpointRefused) as err:
+        load_trainer_state(ckpt)
+    why = "it names exec, which loading would have to run"
+    assert str(err.value) == _refusal(ckpt, why) and not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "state", [{"step": 3, "optimizer": {}}, [1, 2]], ids=["full-optimizer", "not-a-dict"]
+)
+def test_a_trainer_state_from_before_sharded_checkpoints_is_refused_in_full(tmp_path, state):
+    ckpt = tmp_path / "step_000003"
+    ckpt.mkdir()
+    torch.save(state, ckpt / "trainer_state.pt")
+    with pytest.raises(CheckpointRefused) as err:
+        load_trainer_state(ckpt)
+    assert str(err.value) == _refusal(ckpt, "it is in the format from before sharded checkpoints")
+
+
+def test_links_leading_outside_a_run_or_a_model_are_refused_in_full(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(tmp_path / "elsewhere")
+    (run / "trajectories.jsonl").symlink_to(tmp_path / "notes")
+    with pytest.raises(ConfigError) as err:
+        refuse_outside_links(run)
+    first = sorted(["metrics.jsonl", "trajectories.jsonl"], key=lambda n: str(run / n))[0]
+    target = {"metrics.jsonl": "elsewhere", "trajectories.jsonl": "notes"}[first]
+    assert str(err.value) == (
+        f"run directory {run}: {first} is a symbolic link to {tmp_path / target}, outside the run (and 1 more); "
+        "training writes the run's files in place and would write there: remove the link (to keep a run "
+        "on another disk, set output_dir there or link the run directory itself)"
+    )
+    refuse_outside_links(tmp_path / "not-yet")  # a run that does not exist yet holds no link
+    model = _model_dir(tmp_path / "m", "w")
+    (model / "tokenizer.json").symlink_to(tmp_path / "secret")
+    with pytest.raises(ValueError) as err:
+        export_model(model, tmp_path / "out")
+    assert str(err.value) == (
+        f"model {model}: tokenizer.json is a symbolic link to {tmp_path / 'secret'}, outside the directory: "
+        "only what the directory holds is copied; replace the link by the file it should be, or remove it"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_given_as_the_model_is_one_line(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_text("w")
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model_path(str(weights))
+    assert str(err.value) == (
+        f"model {weights}: a file, not a directory; give a model directory (`tirl model init --out DIR` "
+        "makes a tiny one), a tirl run or checkpoint directory, or a Hugging Face id (org/name)"
+    )
