@@ -18,7 +18,18 @@ from tirl.cli import app
 from tirl.rl.grpo import group_advantages
 from tirl.rl.roc import penalties
 from tirl.view import ViewError, load_source, view_record
-from tirl.view.records import Source, split_turns
+from tirl.view.records import (
+    _CLOSE,
+    _HEAD,
+    Source,
+    _gaps,
+    _is_segment,
+    _prefill,
+    _read_yaml,
+    _segment_responses,
+    place_turns,
+    split_turns,
+)
 from tirl.view.report import build_html
 
 # The session fixtures (teach the tiny model, a real eval, a real training run) set up inside the first
@@ -341,3 +352,105 @@ def test_statuses_count_every_call_and_no_empty_text_is_shown():
     assert v["statuses"] == {"ok": 2, "timeout": 1}
     parts = v["turns"][0]["parts"]
     assert [kind for kind, _ in parts] == ["call", "call", "call"]  # back to back: no empty text between
+
+
+# ---- locating the model's turns in the decoded text: each helper at its edges (the placement against
+# forged tool output: test_forged_turns.py) ----
+
+
+def test_the_prefill_after_a_tool_response_is_continue_prefill_else_prefill_else_the_default():
+    assert _prefill({}) == AgentConfig().prefill == "<reason>"
+    assert _prefill({"prefill": "P"}) == "P"
+    assert _prefill({"prefill": "P", "continue_prefill": "C"}) == "C"
+    assert _prefill({"prefill": "P", "continue_prefill": ""}) == "", "an empty continue_prefill is one"
+    assert _prefill({"prefill": "P", "continue_prefill": None}) == "P"
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_a_segment_is_exactly_the_frame_around_its_responses(closed):
+    seg = segment("out", closed=closed)
+    text = "turn" + seg + "next"
+    start, stop = len("turn"), len("turn") + len(seg)
+    assert _is_segment(text, start, stop, "<reason>")
+    assert not _is_segment(text, start + 1, stop, "<reason>") and not _is_segment(
+        text, start, stop - 1, "<reason>"
+    )
+    assert not _is_segment(text, start, stop, "<think>"), "another prefill closes another frame"
+    empty = segment("", closed=True)  # an empty response: the frame alone, the shortest segment
+    assert _is_segment(empty, 0, len(empty), "<reason>") and not _is_segment(
+        empty, 0, len(empty) - 1, "<reason>"
+    )
+    # the frame's two ends overlapping in a span shorter than both is no segment
+    overlap = _HEAD.removesuffix("\n") + _CLOSE.removeprefix("\n") + "<reason>"
+    assert overlap.startswith(_HEAD[:-1]) and not _is_segment(overlap, 0, len(overlap), "<reason>")
+    # an <|im_end|> that ends before `stop` only; the head and the closing inside [start, stop) only
+    assert not _is_segment("<|im_end|>" + _HEAD + "x", 0, len("<|im_end|>") + 3, "<reason>")
+    assert not _is_segment(_HEAD + "x" + _CLOSE + "<reason>", 1, len(_HEAD) + 1, "<reason>")
+    tail = _HEAD + "x" + _CLOSE + "<reason>"
+    assert not _is_segment("y" * 100 + tail, 0, 10, "<reason>")
+    assert not _is_segment(tail + "y", 0, len(tail) + 1, "<reason>"), "the closing must end the span"
+
+
+def test_a_segment_splits_into_one_response_per_call_and_keeps_a_printed_separator():
+    two = segment("a", "b")
+    assert _segment_responses(two, 2, "<reason>") == ["a", "b"]
+    assert _segment_responses(segment("a", "b", closed=True), 2, "<reason>") == ["a", "b"]
+    sep = "\n</tool_response>\n<tool_response>\n"
+    assert _segment_responses(two, 1, "<reason>") == ["a" + sep + "b"], "one call: all of it is its output"
+    assert _segment_responses(two, 0, "<reason>") == ["a" + sep + "b"]
+    assert _segment_responses(segment("x<|im_end|>"), 1, "<reason>") == ["x<|im_end|>"]
+    frame = tool_response_text(["z"], AgentConfig(prefill="<think>"), turn_closed=False)
+    assert _segment_responses(frame, 1, "<think>") == ["z"]
+
+
+def test_the_gaps_between_placed_turns_are_their_segments():
+    seg = segment("7")
+    text = "A" + seg + "BB" + seg
+    assert _gaps(text, ["A", "BB"], [0, 1 + len(seg)]) == [seg, seg]
+    assert _gaps("A" + seg + "BB", ["A", "BB"], [0, 1 + len(seg)]) == [seg, None]
+    assert _gaps(text, ["A", "BB"], None) == [None, None]
+
+
+def test_turns_are_placed_at_their_frames_and_the_last_segment_follows_the_token_counts():
+    seg = segment("7")
+    text = "A" + seg + "B"
+    assert place_turns(text, ["A", "B"], "<reason>", False) == [0, 1 + len(seg)]
+    assert place_turns(text, ["A", "B"], "<reason>", None) == [0, 1 + len(seg)]
+    assert place_turns(text, ["A", "B"], "<reason>", True) is None, "no segment follows the last turn"
+    trailing = text + seg
+    assert place_turns(trailing, ["A", "B"], "<reason>", True) == [0, 1 + len(seg)]
+    assert place_turns(trailing, ["A", "B"], "<reason>", False) is None
+    assert place_turns(text, [], "<reason>", None) is None
+    assert place_turns("x" + text, ["A", "B"], "<reason>", None) is None, "the first turn starts the text"
+    assert place_turns(text, ["A", "C"], "<reason>", None) is None
+    assert place_turns("A", ["A"], "<reason>", False) == [0]
+
+
+def test_a_turn_is_placed_after_a_tool_output_that_prints_the_frame():
+    """The first closing the search meets is inside the tool's output: the turn goes after the real one."""
+    fake = _CLOSE + "<reason>" + "B"
+    seg = segment("x" + fake + "y")
+    text = "A" + seg + "B"
+    assert place_turns(text, ["A", "B"], "<reason>", False) == [0, len(text) - 1]
+    turns = ["A", "B", "C"]  # three turns, the middle one also printed by the first tool
+    text3 = "A" + seg + "B" + segment("1") + "C"
+    assert place_turns(text3, turns, "<reason>", False) == [0, 1 + len(seg), 2 + len(seg) + len(segment("1"))]
+
+
+def test_a_run_config_that_is_not_yaml_or_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "config.yaml"
+    bad.write_text("agent: [unclosed\n")
+    with pytest.raises(ViewError) as err:
+        _read_yaml(bad)
+    assert str(err.value).startswith(f"{bad}: not valid YAML (while parsing a flow sequence") and str(
+        err.value
+    ).endswith("); is it a tirl run?")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"agent:\n  system_prompt: caf\xe9\n")  # a byte that is not UTF-8
+    assert _read_yaml(latin) == {"agent": {"system_prompt": "caf\ufffd"}}
+    assert _read_yaml(tmp_path / "none.yaml") == {} and _read_yaml(_write(tmp_path / "l.yaml", "- 1")) == {}
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return path
