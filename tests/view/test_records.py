@@ -454,3 +454,75 @@ def test_a_run_config_that_is_not_yaml_or_not_utf8_is_one_line(tmp_path):
 def _write(path, text: str):
     path.write_text(text)
     return path
+
+
+def test_a_placement_search_stops_at_its_budget_of_candidate_ends(monkeypatch):
+    """Each closing the search examines costs one try: a record that needs two is placed on a budget of
+    two and shown unplaced on one."""
+    import tirl.view.records as records
+
+    seg = segment("x" + _CLOSE + "<reason>" + "B" + "y")  # the tool printed a closing then "B"
+    text = "A" + seg + "B"
+    for budget, want in [(2, [0, len(text) - 1]), (1, None)]:
+        monkeypatch.setattr(records, "_PLACE_TRIES", budget)
+        assert place_turns(text, ["A", "B"], "<reason>", False) == want, budget
+
+
+def test_text_after_the_last_turn_is_placed_only_when_it_is_a_segment():
+    seg = segment("7")
+    assert place_turns("A" + seg + "B" + "junk", ["A", "B"], "<reason>", None) is None
+    assert place_turns("A" + seg + "B" + seg, ["A", "B"], "<reason>", None) == [0, 1 + len(seg)]
+
+
+def test_the_token_counts_say_whether_a_segment_follows_the_last_turn():
+    """tokens[k] = (generated, tool response) of turn k: a tool count after the last turn means a
+    segment is there; none means the text must end with the turn; no counts, either."""
+    from tirl.view.records import UNPLACED_NOTE, view_turns
+
+    seg = segment("7")
+    text = "A" + seg + "B" + seg  # an infrastructure error's response after the last turn
+    record = traj(text, [], mask=[1], model_turns=["A", "B"])
+    for tokens, note in [([(1, 5), (1, 1)], ""), ([(1, 5), (1, 0)], UNPLACED_NOTE), ([(1, 5)], "")]:
+        turns, said = view_turns(record, tokens, {})
+        assert said == note and len(turns) == 2, tokens
+    ends = traj("A" + seg + "B", [], mask=[1], model_turns=["A", "B"])
+    assert view_turns(ends, [(1, 5), (1, 1)], {})[1] == UNPLACED_NOTE
+    assert view_turns(ends, [(1, 5), (1, 0)], {})[1] == ""
+
+
+def test_no_turns_show_nothing_and_one_turn_shows_itself():
+    from tirl.view.records import view_turns
+
+    assert view_turns(traj("", [], mask=[], model_turns=[]), [], {}) == ([], "")
+    turns, note = view_turns(traj("only", [], mask=[1], model_turns=["only"]), [(1, 0)], {})
+    assert note == "" and [t["parts"] for t in turns] == [[["text", "only"]]]
+
+
+def test_a_jsonl_file_that_is_not_utf8_is_read_line_by_line(tmp_path):
+    """Bytes that are not UTF-8 read as U+FFFD; blank lines are skipped; errors name their line."""
+    good = tmp_path / "t.jsonl"
+    good.write_bytes(b'{"a": "caf\xe9"}\n\n  \n{"b": 2}\n')
+    assert load_source(good).records == [{"a": "caf\ufffd"}, {"b": 2}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"a": "\xe9"}\n\n{"b": \n')
+    with pytest.raises(ViewError) as err:
+        load_source(bad)
+    assert str(err.value) == f"{bad}:3: not valid JSON (Expecting value); is it a tirl JSONL file?"
+    listed = tmp_path / "list.jsonl"
+    listed.write_bytes(b'{"a": "\xe9"}\n[1]\n')
+    with pytest.raises(ViewError) as err:
+        load_source(listed)
+    assert str(err.value) == f"{listed}:2: expected a JSON object, got list"
+
+
+def test_an_eval_summary_that_is_not_utf8_or_not_json(tmp_path):
+    (tmp_path / "trajectories.jsonl").write_text("")
+    (tmp_path / "metrics.json").write_bytes(b'{"benchmarks": {"b\xe9": {"pass1": 0.5}}}')
+    assert load_source(tmp_path).summary == {"b\ufffd": {"pass1": 0.5}}
+    (tmp_path / "metrics.json").write_text("{not json")
+    with pytest.raises(ViewError) as err:
+        load_source(tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path / 'metrics.json'}: not valid JSON (Expecting property name enclosed in double quotes); "
+        "is it a tirl eval output?"
+    )
