@@ -380,9 +380,10 @@ def test_a_segment_is_exactly_the_frame_around_its_responses(closed):
     assert _is_segment(empty, 0, len(empty), "<reason>") and not _is_segment(
         empty, 0, len(empty) - 1, "<reason>"
     )
-    # the frame's two ends overlapping in a span shorter than both is no segment
-    overlap = _HEAD.removesuffix("\n") + _CLOSE.removeprefix("\n") + "<reason>"
-    assert overlap.startswith(_HEAD[:-1]) and not _is_segment(overlap, 0, len(overlap), "<reason>")
+    # the head's last newline doubling as the closing's first: both ends match, the span is one too short
+    overlap = "zz" + _HEAD + _CLOSE.removeprefix("\n") + "<reason>"
+    assert overlap.startswith(_HEAD, 2) and overlap.endswith(_CLOSE + "<reason>")
+    assert not _is_segment(overlap, 2, len(overlap), "<reason>")
     # an <|im_end|> that ends before `stop` only; the head and the closing inside [start, stop) only
     assert not _is_segment("<|im_end|>" + _HEAD + "x", 0, len("<|im_end|>") + 3, "<reason>")
     assert not _is_segment(_HEAD + "x" + _CLOSE + "<reason>", 1, len(_HEAD) + 1, "<reason>")
@@ -398,6 +399,8 @@ def test_a_segment_splits_into_one_response_per_call_and_keeps_a_printed_separat
     sep = "\n</tool_response>\n<tool_response>\n"
     assert _segment_responses(two, 1, "<reason>") == ["a" + sep + "b"], "one call: all of it is its output"
     assert _segment_responses(two, 0, "<reason>") == ["a" + sep + "b"]
+    printed = segment("a", "b" + sep + "c")  # the second call's output printed the separator
+    assert _segment_responses(printed, 2, "<reason>") == ["a", "b" + sep + "c"]
     assert _segment_responses(segment("x<|im_end|>"), 1, "<reason>") == ["x<|im_end|>"]
     frame = tool_response_text(["z"], AgentConfig(prefill="<think>"), turn_closed=False)
     assert _segment_responses(frame, 1, "<think>") == ["z"]
