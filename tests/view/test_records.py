@@ -529,3 +529,34 @@ def test_an_eval_summary_that_is_not_utf8_or_not_json(tmp_path):
         f"{tmp_path / 'metrics.json'}: not valid JSON (Expecting property name enclosed in double quotes); "
         "is it a tirl eval output?"
     )
+
+
+def test_the_models_own_turns_are_parsed_with_the_agent_config_and_read_the_prefill_first():
+    """The model_turns path (every record written since they exist): the per-turn call limit and the
+    tool schema the run used; after a segment, the frame's prefill is the next turn's first text, also
+    when that turn opens with a call."""
+    from tirl.view.records import view_turns
+
+    own = [call("print(1)") + call("print(2)"), call("print(3)"), "done"]
+    text = own[0] + segment("1", "2") + own[1] + segment("3") + own[2]
+    records = [
+        ToolCallRecord(0, "ok", "print(1)"),
+        ToolCallRecord(0, "malformed", ""),
+        ToolCallRecord(1, "ok", "print(3)"),
+    ]
+    turns, note = view_turns(
+        traj(text, records, mask=[1], model_turns=own), [(1, 2), (1, 1), (1, 0)], {"max_calls_per_turn": 1}
+    )
+    assert note == ""
+    first, second = parts_of(turns[0], "call")
+    assert first["status"] == "ok" and second["status"] == "malformed"
+    assert "only 1 tool call(s) per turn" in second["parse_error"]
+    assert turns[1]["parts"][0] == ["text", CFG.prefill] and turns[1]["parts"][1][0] == "call"
+    assert len(turns[1]["parts"]) == 2 and turns[2]["parts"] == [["text", CFG.prefill + "done"]]
+    schema = {"type": "function", "function": {"name": "calc", "parameters": {"properties": {"e": {}}}}}
+    calc = '<tool_call>{"name": "calc", "arguments": {"e": "1+1"}}</tool_call>'
+    calc_turns, _ = view_turns(
+        traj(calc, [], mask=[1], model_turns=[calc]), [(1, 0)], {"tool_schema": schema}
+    )
+    [[c]] = [parts_of(t, "call") for t in calc_turns]
+    assert "parse_error" not in c and c["code"] == json.dumps({"e": "1+1"})
