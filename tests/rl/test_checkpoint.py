@@ -622,7 +622,7 @@ def test_links_leading_outside_a_run_or_a_model_are_refused_in_full(tmp_path):
     first = sorted(["metrics.jsonl", "trajectories.jsonl"], key=lambda n: str(run / n))[0]
     target = {"metrics.jsonl": "elsewhere", "trajectories.jsonl": "notes"}[first]
     assert str(err.value) == (
-        f"run directory {run}: {first} is a symbolic link to {tmp_path / target}, outside the run (and 1 more); "
+        f"run directory {run}: {first} is a symbolic link to {(tmp_path / target).resolve()}, outside the run (and 1 more); "
         "training writes the run's files in place and would write there: remove the link (to keep a run "
         "on another disk, set output_dir there or link the run directory itself)"
     )
@@ -632,7 +632,7 @@ def test_links_leading_outside_a_run_or_a_model_are_refused_in_full(tmp_path):
     with pytest.raises(ValueError) as err:
         export_model(model, tmp_path / "out")
     assert str(err.value) == (
-        f"model {model}: tokenizer.json is a symbolic link to {tmp_path / 'secret'}, outside the directory: "
+        f"model {model}: tokenizer.json is a symbolic link to {(tmp_path / 'secret').resolve()}, outside the directory: "
         "only what the directory holds is copied; replace the link by the file it should be, or remove it"
     )
     assert not (tmp_path / "out").exists()
