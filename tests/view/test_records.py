@@ -21,6 +21,7 @@ from tirl.view import ViewError, load_source, view_record
 from tirl.view.records import (
     _CLOSE,
     _HEAD,
+    UNPLACED_NOTE,
     Source,
     _gaps,
     _is_segment,
@@ -29,6 +30,7 @@ from tirl.view.records import (
     _segment_responses,
     place_turns,
     split_turns,
+    view_turns,
 )
 from tirl.view.report import build_html
 
@@ -451,12 +453,9 @@ def test_a_run_config_that_is_not_yaml_or_not_utf8_is_one_line(tmp_path):
     latin = tmp_path / "latin.yaml"
     latin.write_bytes(b"agent:\n  system_prompt: caf\xe9\n")  # a byte that is not UTF-8
     assert _read_yaml(latin) == {"agent": {"system_prompt": "caf\ufffd"}}
-    assert _read_yaml(tmp_path / "none.yaml") == {} and _read_yaml(_write(tmp_path / "l.yaml", "- 1")) == {}
-
-
-def _write(path, text: str):
-    path.write_text(text)
-    return path
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1")
+    assert _read_yaml(tmp_path / "none.yaml") == {} and _read_yaml(listed) == {}
 
 
 def test_a_placement_search_stops_at_its_budget_of_candidate_ends(monkeypatch):
@@ -480,8 +479,6 @@ def test_text_after_the_last_turn_is_placed_only_when_it_is_a_segment():
 def test_the_token_counts_say_whether_a_segment_follows_the_last_turn():
     """tokens[k] = (generated, tool response) of turn k: a tool count after the last turn means a
     segment is there; none means the text must end with the turn; no counts, either."""
-    from tirl.view.records import UNPLACED_NOTE, view_turns
-
     seg = segment("7")
     text = "A" + seg + "B" + seg  # an infrastructure error's response after the last turn
     record = traj(text, [], mask=[1], model_turns=["A", "B"])
@@ -494,8 +491,6 @@ def test_the_token_counts_say_whether_a_segment_follows_the_last_turn():
 
 
 def test_no_turns_show_nothing_and_one_turn_shows_itself():
-    from tirl.view.records import view_turns
-
     assert view_turns(traj("", [], mask=[], model_turns=[]), [], {}) == ([], "")
     turns, note = view_turns(traj("only", [], mask=[1], model_turns=["only"]), [(1, 0)], {})
     assert note == "" and [t["parts"] for t in turns] == [[["text", "only"]]]
@@ -535,8 +530,6 @@ def test_the_models_own_turns_are_parsed_with_the_agent_config_and_read_the_pref
     """The model_turns path (every record written since they exist): the per-turn call limit and the
     tool schema the run used; after a segment, the frame's prefill is the next turn's first text, also
     when that turn opens with a call."""
-    from tirl.view.records import view_turns
-
     own = [call("print(1)") + call("print(2)"), call("print(3)"), "done"]
     text = own[0] + segment("1", "2") + own[1] + segment("3") + own[2]
     records = [
