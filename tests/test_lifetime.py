@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -160,6 +161,8 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path, 
     output = Output(proc)
     try:
         output.wait_for("step 2 ")
+        sockets = list(Path(tempfile.gettempdir()).glob(f"tirl-vllm-{proc.pid}-*/*"))  # vLLM's ZMQ files
+        assert bool(sockets) == (engine == "vllm"), sockets
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends to its foreground group on Ctrl-C
         assert proc.wait(timeout=120) == 130, output.text[-3000:]  # at once, not after a hang
     finally:
@@ -169,6 +172,7 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_model_dir, tmp_path, 
     assert not foreign, output.text[-3000:]
     expected = f"continue with: {shlex.join(argv)} --resume"  # the tirl that ran: it runs as printed
     assert expected in output.text and "is saved at step_00000" in output.text, output.text[-3000:]
+    assert not any(p.exists() for p in sockets), "vLLM's socket files outlived the command"
 
 
 def test_ctrl_c_in_eval_keeps_the_finished_trajectories(tiny_model_dir, tmp_path):

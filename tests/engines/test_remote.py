@@ -52,7 +52,8 @@ def server(tiny_model_dir, tmp_path_factory):
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
             argv,
-            env={**os.environ, **env},
+            # its ZMQ socket files (vLLM never removes them) in the test's directory, not loose in /tmp
+            env={**os.environ, **env, "VLLM_RPC_BASE_PATH": str(log_path.parent)},
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # teardown kills the whole group (the API server and its engine core)

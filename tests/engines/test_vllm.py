@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import stat
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -33,6 +38,39 @@ def engine(tiny_model_dir):
     )
     yield eng
     asyncio.run(eng.close())
+
+
+def test_the_engines_sockets_are_in_a_directory_of_this_process(engine):
+    """vLLM names a ZMQ socket file per channel under $VLLM_RPC_BASE_PATH and never removes it: the
+    engine's are in this process's own directory (removed at exit), not loose in the temp dir."""
+    from tirl.engines.vllm import SOCKET_DIR
+
+    path = os.environ["VLLM_RPC_BASE_PATH"]
+    assert os.path.dirname(path) == tempfile.gettempdir()
+    assert SOCKET_DIR.match(os.path.basename(path)).group(1) == str(os.getpid())
+    assert any(stat.S_ISSOCK(e.stat().st_mode) for e in os.scandir(path)), os.listdir(path)
+
+
+def test_socket_directories_of_dead_processes_are_swept_and_the_users_choice_kept(tmp_path, monkeypatch):
+    from tirl.engines.vllm import own_socket_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    stale = tmp_path / f"tirl-vllm-{int(dead.stdout)}-x"
+    live = tmp_path / f"tirl-vllm-{os.getppid()}-y"  # a parent's: another process's, still running
+    kept = [live, tmp_path / "tirl-vllm-notapid", tmp_path / "other"]
+    for d in [stale, *kept]:
+        d.mkdir()
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(live))  # inherited from that parent: not ours to use
+    own_socket_dir()
+    ours = os.environ["VLLM_RPC_BASE_PATH"]
+    assert os.path.basename(ours).startswith(f"tirl-vllm-{os.getpid()}-") and os.path.isdir(ours)
+    assert not stale.exists() and all(d.is_dir() for d in kept)
+    own_socket_dir()  # once per process
+    assert os.environ["VLLM_RPC_BASE_PATH"] == ours
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/srv/sockets")  # the user's own: kept
+    own_socket_dir()
+    assert os.environ["VLLM_RPC_BASE_PATH"] == "/srv/sockets"
 
 
 def test_is_an_engine_with_capacity(engine):

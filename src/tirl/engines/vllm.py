@@ -20,10 +20,14 @@ half-updated model; the prefix cache is reset once per sync. Transport into the 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import os
 import pickle
+import re
+import shutil
+import tempfile
 import threading
 from collections.abc import Coroutine, Iterable, Iterator
 from contextlib import contextmanager
@@ -65,6 +69,31 @@ def require_vllm() -> None:
         import vllm  # noqa: F401
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
+
+
+SOCKET_DIR = re.compile(r"tirl-vllm-(\d+)-")  # a directory own_socket_dir made, and for which process
+
+
+def own_socket_dir() -> None:
+    """vLLM binds its ZMQ sockets as files under $VLLM_RPC_BASE_PATH (default: the temp dir) and never
+    removes them, ~7 per engine start. Point it at a directory of this process's own, removed at its
+    exit; sweep those of processes that died without that (SIGKILL). A value the user set is kept, and
+    vLLM's engine core inherits its parent's."""
+    current = os.environ.get("VLLM_RPC_BASE_PATH")
+    if current and _socket_dir_owner(current) in (None, os.getpid()):
+        return
+    for entry in os.scandir(tempfile.gettempdir()):
+        owner = _socket_dir_owner(entry.path)
+        if owner is not None and not os.path.exists(f"/proc/{owner}"):
+            shutil.rmtree(entry.path, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"tirl-vllm-{os.getpid()}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+
+
+def _socket_dir_owner(path: str) -> int | None:
+    found = SOCKET_DIR.match(os.path.basename(path))
+    return int(found.group(1)) if found else None
 
 
 def flat_plan(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[list[FlatEntry], int]:
@@ -250,6 +279,7 @@ class VLLMEngine(StagedWake, GroupReceiver, FlatLoader):
         """`worker_extension`: a WeightSyncExtension subclass's qualified name (e.g. the Ray runtime's,
         which adds a sync-group receiver); default WeightSyncExtension."""
         require_vllm()
+        own_socket_dir()
         if not cfg.model:
             raise ValueError("engine.model is empty: set it to a model directory (e.g. `tirl model init`)")
         from vllm.platforms import current_platform
