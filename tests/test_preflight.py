@@ -5,6 +5,7 @@ settings change the prompt of a model trained with other ones."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -160,11 +161,15 @@ def test_the_preflight_plan_runs_inside_a_torchrun_ranks_environment(config, a_g
     observable here: `tirl plan` on CPU reads none, see docs/mutation.md.)"""
     from tests.ports import free_port
 
-    from tirl.rl.plan import memory_preflight
+    from tirl.rl.plan import memory_preflight, preflight_env
 
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}
     for key, value in (torchrun | {"MASTER_PORT": str(free_port())}).items():
         monkeypatch.setenv(key, value)
+    child = preflight_env()  # what the child is given: the rest of the environment, none of the rank's
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"} & set(child)
+    assert len(child) == len(os.environ) - 4 and child["MASTER_ADDR"] == "127.0.0.1"
+    assert all(os.environ[k] == v for k, v in child.items())
     cfg = _train_config(config, "optim.micro_batch_tokens=1024", "optim.device=cpu")
     lines = memory_preflight(cfg, str(config), ["optim.micro_batch_tokens=1024", "optim.device=cpu"], "train")
     assert len(lines) == 1 and lines[0].startswith("memory plan: FITS"), lines

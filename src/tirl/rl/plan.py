@@ -638,6 +638,13 @@ def preflight_command(cluster: ClusterShape, config_path: str, overrides: list[s
     return [*cmd, *overrides]
 
 
+def preflight_env() -> dict[str, str]:
+    """The preflight's `tirl plan` child's environment: this process's, less a torchrun rank's own
+    variables (the plan's fake process group must never meet the run's)."""
+    rank = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in rank}
+
+
 def memory_preflight(cfg, config_path: str, overrides: list[str], kind: str) -> list[str]:
     """On a CUDA machine, run `tirl plan` for this config in a subprocess (a fake process group must
     not meet the real one) and stop before any GPU work when it does not fit. TIRL_SKIP_PLAN=1 skips."""
@@ -646,11 +653,8 @@ def memory_preflight(cfg, config_path: str, overrides: list[str], kind: str) -> 
     cluster = preflight_cluster(cfg)
     if cluster is None or os.environ.get("TIRL_SKIP_PLAN") == "1":
         return []
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
     cmd = preflight_command(cluster, config_path, overrides, kind)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=preflight_env())
     lines = proc.stdout.strip().splitlines()
     verdict = next((line for line in reversed(lines) if line.startswith(("FITS", "DOES NOT FIT"))), None)
     verdict = verdict or (lines or [proc.stderr.strip()[-500:]])[-1]
