@@ -73,6 +73,14 @@ def test_socket_directories_of_dead_processes_are_swept_and_the_users_choice_kep
     assert os.environ["VLLM_RPC_BASE_PATH"] == "/srv/sockets"
 
 
+def test_a_process_socket_directory_goes_with_it(tmp_path):
+    code = "import os; from tirl.engines.vllm import own_socket_dir as o; o(); print(os.environ['VLLM_RPC_BASE_PATH'])"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("VLLM_RPC_BASE_PATH", None)
+    made = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert made.stdout.strip().startswith(f"{tmp_path}/tirl-vllm-") and not list(tmp_path.iterdir())
+
+
 def test_is_an_engine_with_capacity(engine):
     assert isinstance(engine, Engine)
     cap = engine.capacity()
