@@ -197,6 +197,43 @@ def test_a_ray_runs_preflight_plans_its_trainer_ranks_not_the_drivers_one_proces
         memory_preflight(_train_config(config, *small), str(config), small, "train")
 
 
+def test_the_preflight_reads_the_plans_verdict_not_whatever_it_printed_last():
+    from subprocess import CompletedProcess
+
+    from tirl.rl.plan import plan_verdict
+
+    def verdict(stdout: str, stderr: str = "") -> str:
+        return plan_verdict(CompletedProcess([], 0, stdout, stderr))
+
+    assert verdict("cluster: 2 GPUs\nFITS: 3.1 GiB of 24.0\nadvice: none\n") == "FITS: 3.1 GiB of 24.0"
+    assert verdict("DOES NOT FIT: 9 GiB of 8\nfix: engine.max_model_len=2048") == "DOES NOT FIT: 9 GiB of 8"
+    assert verdict("FITS: an early line\nDOES NOT FIT: the last\ntail") == "DOES NOT FIT: the last"
+    assert verdict("one\ntwo\nthree\n", "ignored") == "three"  # no verdict: the last line
+    crash = "Traceback (most recent call last):\n" + "x" * 600 + "\nValueError: the reason\n"
+    assert verdict("", crash) == crash.strip()[-500:] and len(verdict(" \n", crash)) == 500
+
+
+def test_an_sft_runs_preflight_plans_its_ranks_with_no_engines(tiny_model_dir, tmp_path, a_gpu, monkeypatch):
+    """`tirl sft` on GPUs: its config has no cluster and no engines, so the preflight plans
+    torchrun's ranks on GPUs of their own with nothing to offload to, and the plan, run for real in its
+    subprocess as `tirl plan --kind sft`, fits the tiny model."""
+    from tirl.config import load_config
+    from tirl.rl.config import SFTConfig
+    from tirl.rl.plan import ClusterShape, memory_preflight, preflight_cluster, preflight_command
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1"}]}) + "\n")
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({"model": str(tiny_model_dir), "data": [str(data)], "max_length": 256}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(SFTConfig, config)
+    assert preflight_cluster(cfg) == ClusterShape(2, a_gpu, False, False, "load")
+    cmd = preflight_command(preflight_cluster(cfg), str(config), [], "sft")
+    assert cmd[cmd.index("--kind") + 1] == "sft" and {"--separate", "--no-trainer-offload"} <= set(cmd)
+    lines = memory_preflight(cfg, str(config), [], "sft")
+    assert len(lines) == 1 and lines[0].startswith("memory plan: FITS") and "of 24.0 GiB" in lines[0], lines
+
+
 def test_a_run_that_does_not_fit_its_gpus_stops_before_anything_starts(config, trainer_calls, monkeypatch):
     """On a (reported) 1 GiB GPU the plan, run for real in its subprocess, does not fit: `tirl train`
     stops with one error line holding the plan's verdict, before the trainer is called;

@@ -645,6 +645,14 @@ def preflight_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in rank}
 
 
+def plan_verdict(proc: subprocess.CompletedProcess) -> str:
+    """What a `tirl plan` run concluded: its last FITS / DOES NOT FIT line, else its last line of
+    output, else the tail of its stderr (it crashed before printing anything)."""
+    lines = proc.stdout.strip().splitlines()
+    verdict = next((line for line in reversed(lines) if line.startswith(("FITS", "DOES NOT FIT"))), None)
+    return verdict or (lines or [proc.stderr.strip()[-500:]])[-1]
+
+
 def memory_preflight(cfg, config_path: str, overrides: list[str], kind: str) -> list[str]:
     """On a CUDA machine, run `tirl plan` for this config in a subprocess (a fake process group must
     not meet the real one) and stop before any GPU work when it does not fit. TIRL_SKIP_PLAN=1 skips."""
@@ -655,9 +663,7 @@ def memory_preflight(cfg, config_path: str, overrides: list[str], kind: str) -> 
         return []
     cmd = preflight_command(cluster, config_path, overrides, kind)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=preflight_env())
-    lines = proc.stdout.strip().splitlines()
-    verdict = next((line for line in reversed(lines) if line.startswith(("FITS", "DOES NOT FIT"))), None)
-    verdict = verdict or (lines or [proc.stderr.strip()[-500:]])[-1]
+    verdict = plan_verdict(proc)
     if proc.returncode == 1:  # measured and does not fit
         raise ConfigError(f"memory plan: {verdict} (TIRL_SKIP_PLAN=1 skips this check)")
     if proc.returncode != 0:
