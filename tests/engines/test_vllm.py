@@ -8,12 +8,14 @@ the Ray runtime's worker extension (a sync-group receiver next to the in-place r
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import importlib.util
 import os
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -51,23 +53,34 @@ def test_the_engines_sockets_are_in_a_directory_of_this_process(engine):
     assert any(stat.S_ISSOCK(e.stat().st_mode) for e in os.scandir(path)), os.listdir(path)
 
 
-def test_socket_directories_of_dead_processes_are_swept_and_the_users_choice_kept(tmp_path, monkeypatch):
-    from tirl.engines.vllm import own_socket_dir
+def test_socket_directories_nobody_holds_are_swept_and_the_users_choice_kept(tmp_path, monkeypatch):
+    """Another process's directory is left while it holds its lock, whatever its pid says; one whose lock
+    is free (its process was killed) is removed, unless it is young (a process may be setting it up)."""
+    from tirl.engines.vllm import SWEEP_AFTER_S, own_socket_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
-    stale = tmp_path / f"tirl-vllm-{int(dead.stdout)}-x"
-    live = tmp_path / f"tirl-vllm-{os.getppid()}-y"  # a parent's: another process's, still running
-    kept = [live, tmp_path / "tirl-vllm-notapid", tmp_path / "other"]
-    for d in [stale, *kept]:
+    held = tmp_path / "tirl-vllm-1-held"  # pid 1's name; another namespace's process may hold it
+    stale, young = tmp_path / "tirl-vllm-2-stale", tmp_path / "tirl-vllm-3-young"
+    other = [tmp_path / "tirl-vllm-x", tmp_path / "other"]
+    for d in [held, stale, young, *other]:
         d.mkdir()
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(live))  # inherited from that parent: not ours to use
-    own_socket_dir()
-    ours = os.environ["VLLM_RPC_BASE_PATH"]
-    assert os.path.basename(ours).startswith(f"tirl-vllm-{os.getpid()}-") and os.path.isdir(ours)
-    assert not stale.exists() and all(d.is_dir() for d in kept)
-    own_socket_dir()  # once per process
-    assert os.environ["VLLM_RPC_BASE_PATH"] == ours
+        (d / ".lock").touch()
+    old = time.time() - SWEEP_AFTER_S - 1
+    for d in [held, stale, *other]:
+        os.utime(d, (old, old))
+    with open(held / ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a lock of another open file: it excludes this process's too
+        monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(held))  # inherited from a parent: not ours to use
+        own_socket_dir()
+        ours = os.environ["VLLM_RPC_BASE_PATH"]
+        assert os.path.basename(ours).startswith(f"tirl-vllm-{os.getpid()}-") and os.path.isdir(ours)
+        assert not stale.exists() and all(d.is_dir() for d in [held, young, *other])
+        own_socket_dir()  # once per process; its own directory is held, so nobody sweeps it
+        assert os.environ["VLLM_RPC_BASE_PATH"] == ours
+    os.utime(ours, (old, old))
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(held))
+    own_socket_dir()  # held no more: swept; this process's own, old as it is, still held
+    assert not held.exists() and os.path.isdir(ours)
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/srv/sockets")  # the user's own: kept
     own_socket_dir()
     assert os.environ["VLLM_RPC_BASE_PATH"] == "/srv/sockets"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import itertools
 import logging
 import os
@@ -29,6 +30,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Coroutine, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -72,23 +74,39 @@ def require_vllm() -> None:
 
 
 SOCKET_DIR = re.compile(r"tirl-vllm-(\d+)-")  # a directory own_socket_dir made, and for which process
+SWEEP_AFTER_S = 60  # a younger directory may be one another process is still setting up
+_held: list = []  # this process's socket-directory lock, open (held) until the process ends
 
 
 def own_socket_dir() -> None:
     """vLLM binds its ZMQ sockets as files under $VLLM_RPC_BASE_PATH (default: the temp dir) and never
     removes them, ~7 per engine start. Point it at a directory of this process's own, removed at its
-    exit; sweep those of processes that died without that (SIGKILL). A value the user set is kept, and
-    vLLM's engine core inherits its parent's."""
+    exit, and remove those that processes killed without that (SIGKILL) left. A value the user set is
+    kept, and vLLM's engine core inherits its parent's."""
     current = os.environ.get("VLLM_RPC_BASE_PATH")
     if current and _socket_dir_owner(current) in (None, os.getpid()):
         return
-    for entry in os.scandir(tempfile.gettempdir()):
-        owner = _socket_dir_owner(entry.path)
-        if owner is not None and not os.path.exists(f"/proc/{owner}"):
-            shutil.rmtree(entry.path, ignore_errors=True)
+    _sweep_socket_dirs()
     path = tempfile.mkdtemp(prefix=f"tirl-vllm-{os.getpid()}-")
+    lock = open(os.path.join(path, ".lock"), "w")  # noqa: SIM115 (held for the process's life)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    _held.append(lock)
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.environ["VLLM_RPC_BASE_PATH"] = path
+
+
+def _sweep_socket_dirs() -> None:
+    """Remove the socket directories nobody holds the lock of. A lock ends with its process, in any PID
+    namespace, where a pid read from the name could belong to a live process /proc does not show."""
+    for entry in os.scandir(tempfile.gettempdir()):
+        if _socket_dir_owner(entry.path) is None or time.time() - entry.stat().st_mtime < SWEEP_AFTER_S:
+            continue
+        try:
+            with open(os.path.join(entry.path, ".lock")) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its process still runs (or it has no lock: not ours to judge)
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _socket_dir_owner(path: str) -> int | None:
