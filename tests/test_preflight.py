@@ -96,8 +96,9 @@ def a_gpu(monkeypatch):
 
     from tirl.rl.plan import GiB
 
+    gpus = [SimpleNamespace(total_memory=24 * GiB)]  # one GPU: cuda:0 (other indices do not exist)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=24 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", gpus.__getitem__)
     return 24 * GiB
 
 

@@ -155,18 +155,26 @@ def test_engine_advice_moves_one_knob_one_way_and_converges(wide, utilization, o
     assert plan_from(wide, cluster, _applied(workload, fixes), "wide", training).fits
 
 
-def test_an_engine_no_utilization_can_hold_gets_tensor_parallel_or_a_shorter_context(wide):
+@pytest.mark.parametrize("card_gib,tp", [(24, 2), (12, 4)])
+def test_an_engine_no_utilization_can_hold_gets_tensor_parallel_or_a_shorter_context(wide, card_gib, tp):
     """The 14B's bf16 weights (27.5 GiB) leave a 24 GiB card no room at any utilization: the advice
-    names tensor parallelism (no max_model_len helps: the weights alone overflow), not the utilization."""
+    names tensor parallelism (no max_model_len helps: the weights alone overflow), not the utilization;
+    the smallest size with room (its 40 heads also split 5 ways: 4 is the answer on 12 GiB, not 5)."""
     config = architecture_config("qwen3-14b")
     training = measured(wide, 8, _workload(lora=True))  # a stand-in that fits: the engine is judged here
     engine = ENGINE | {"max_model_len": 16384, "gpu_memory_utilization": 0.9}
-    plan = plan_from(config, ClusterShape(8, 24 * GiB, True, True), _workload(True, engine), "14b", training)
+    card = card_gib * GiB
+    plan = plan_from(config, ClusterShape(8, card, True, True), _workload(True, engine), "14b", training)
     advice = next(item for item in plan.advice if "no engine.gpu_memory_utilization" in item)
-    assert "set engine.tensor_parallel_size=2" in advice and "set engine.gpu_memory_utilization" not in advice
+    assert (
+        f"set engine.tensor_parallel_size={tp}" in advice
+        and "set engine.gpu_memory_utilization" not in advice
+    )
     assert "raise" not in advice and "lower" not in advice
-    fixed = _applied(plan.workload, {"engine.tensor_parallel_size": "2"}).engine
-    assert engine_memory(config, plan.parameters, 24 * GiB, fixed).trajectories >= 1
+    fixed = _applied(plan.workload, {"engine.tensor_parallel_size": str(tp)}).engine
+    assert engine_memory(config, plan.parameters, card, fixed).trajectories >= 1
+    smaller = _applied(plan.workload, {"engine.tensor_parallel_size": str(tp // 2)}).engine
+    assert engine_memory(config, plan.parameters, card, smaller).trajectories < 1
 
 
 def _plan_cli(args: list[str]):
