@@ -8,6 +8,7 @@ its size free, the layers' count is what costs time. Measurements are shared acr
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from tirl.rl.plan import (
     engine_memory,
     parameter_count,
     plan_from,
+    tensor_parallel_fix,
 )
 from tirl.rl.planner import default_lora, fixes_for
 
@@ -155,11 +157,12 @@ def test_engine_advice_moves_one_knob_one_way_and_converges(wide, utilization, o
     assert plan_from(wide, cluster, _applied(workload, fixes), "wide", training).fits
 
 
-@pytest.mark.parametrize("card_gib,tp", [(24, 2), (12, 4)])
+@pytest.mark.parametrize("card_gib,tp", [(24, 2), (12, 4), (8, 8)])
 def test_an_engine_no_utilization_can_hold_gets_tensor_parallel_or_a_shorter_context(wide, card_gib, tp):
     """The 14B's bf16 weights (27.5 GiB) leave a 24 GiB card no room at any utilization: the advice
     names tensor parallelism (no max_model_len helps: the weights alone overflow), not the utilization;
-    the smallest size with room (its 40 heads also split 5 ways: 4 is the answer on 12 GiB, not 5)."""
+    the smallest size with room (its 40 heads also split 5 ways: 4 is the answer on 12 GiB, not 5), and
+    only a size that divides the heads."""
     config = architecture_config("qwen3-14b")
     training = measured(wide, 8, _workload(lora=True))  # a stand-in that fits: the engine is judged here
     engine = ENGINE | {"max_model_len": 16384, "gpu_memory_utilization": 0.9}
@@ -175,6 +178,9 @@ def test_an_engine_no_utilization_can_hold_gets_tensor_parallel_or_a_shorter_con
     assert engine_memory(config, plan.parameters, card, fixed).trajectories >= 1
     smaller = _applied(plan.workload, {"engine.tensor_parallel_size": str(tp // 2)}).engine
     assert engine_memory(config, plan.parameters, card, smaller).trajectories < 1
+    odd = copy.deepcopy(config)
+    odd.num_attention_heads = 5 * tp // 2  # divided by the smaller sizes only: no size to advise
+    assert tensor_parallel_fix(odd, plan) is None
 
 
 def _plan_cli(args: list[str]):
