@@ -178,6 +178,9 @@ def test_an_engine_no_utilization_can_hold_gets_tensor_parallel_or_a_shorter_con
     assert engine_memory(config, plan.parameters, card, fixed).trajectories >= 1
     smaller = _applied(plan.workload, {"engine.tensor_parallel_size": str(tp // 2)}).engine
     assert engine_memory(config, plan.parameters, card, smaller).trajectories < 1
+    if tp > 2:  # an engine already at the next smaller size that has no room: the advice is tp again
+        at = _workload(True, engine | {"tensor_parallel_size": tp // 2})
+        assert tensor_parallel_fix(config, plan_from(config, plan.cluster, at, "14b", training)) == tp
     odd = copy.deepcopy(config)
     odd.num_attention_heads = 5 * tp // 2  # divided by the smaller sizes only: no size to advise
     assert tensor_parallel_fix(odd, plan) is None
