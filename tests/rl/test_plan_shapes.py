@@ -26,9 +26,11 @@ from tirl.rl.plan import (
     Workload,
     architecture_config,
     engine_memory,
+    max_model_len_fix,
     parameter_count,
     plan_from,
     tensor_parallel_fix,
+    utilization_range,
 )
 from tirl.rl.planner import default_lora, fixes_for
 
@@ -184,6 +186,27 @@ def test_an_engine_no_utilization_can_hold_gets_tensor_parallel_or_a_shorter_con
     odd = copy.deepcopy(config)
     odd.num_attention_heads = 5 * tp // 2  # divided by the smaller sizes only: no size to advise
     assert tensor_parallel_fix(odd, plan) is None
+
+
+@pytest.mark.parametrize("card_gib", [32, 32.25, 40])
+def test_the_context_fix_is_the_longest_multiple_of_1024_with_room(wide, card_gib):
+    """The 14B's weights fit these cards but a 131072-token trajectory does not: the advised
+    max_model_len is a multiple of 1024 with room for one trajectory whose next multiple has none; 1024
+    itself on a card with room for no more, none on one without room for even that."""
+    config = architecture_config("qwen3-14b")
+    training = measured(wide, 8, _workload(lora=True))  # a stand-in that fits: the engine is judged here
+    engine = ENGINE | {"max_model_len": 131072, "gpu_memory_utilization": 0.9}
+    cluster = ClusterShape(8, int(card_gib * GiB), True, True)
+    plan = plan_from(config, cluster, _workload(True, engine), "14b", training)
+
+    def room(length: int) -> bool:
+        low, high = utilization_range(config, plan, engine | {"max_model_len": length})
+        return low <= high
+
+    length = max_model_len_fix(config, plan)
+    assert not room(131072) and length == {32: None, 32.25: 1024}.get(card_gib, length)
+    if length is not None:
+        assert length % 1024 == 0 and 1024 <= length < 131072 and room(length) and not room(length + 1024)
 
 
 def _plan_cli(args: list[str]):
