@@ -65,6 +65,7 @@ def test_socket_directories_nobody_holds_are_swept_and_the_users_choice_kept(tmp
     for d in [held, stale, young, *other]:
         d.mkdir()
         (d / ".lock").touch()
+    (tmp_path / "tirl-vllm-4-gone").symlink_to(tmp_path / "nowhere")  # as if another sweep just removed it
     old = time.time() - SWEEP_AFTER_S - 1
     for d in [held, stale, *other]:
         os.utime(d, (old, old))

@@ -99,9 +99,11 @@ def _sweep_socket_dirs() -> None:
     """Remove the socket directories nobody holds the lock of. A lock ends with its process, in any PID
     namespace, where a pid read from the name could belong to a live process /proc does not show."""
     for entry in os.scandir(tempfile.gettempdir()):
-        if _socket_dir_owner(entry.path) is None or time.time() - entry.stat().st_mtime < SWEEP_AFTER_S:
+        if _socket_dir_owner(entry.path) is None:
             continue
-        try:
+        try:  # another process's sweep may remove the directory at any point: that is no error
+            if time.time() - entry.stat().st_mtime < SWEEP_AFTER_S:
+                continue
             with open(os.path.join(entry.path, ".lock")) as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # held: its process still runs (or it has no lock: not ours to judge)
