@@ -178,3 +178,67 @@ def test_kv_bytes_per_token_uses_the_models_own_head_dim_and_splits_heads_over_t
     assert kv_bytes_per_token(bare) == 2 * 2 * 8 * 64 * 2
     assert kv_bytes_per_token(bare, tp=2) == 2 * 2 * 4 * 64 * 2
     assert kv_bytes_per_token(bare, tp=16) == 2 * 2 * 1 * 64 * 2
+
+
+def test_the_workload_of_an_sft_config_is_its_longest_examples_in_its_token_budget():
+    """`tirl sft`'s preflight plans this: no engine, sequences of max_length (as many as the budget
+    holds), the precision, checkpointing and adapters the config trains with."""
+    from tirl.config import load_config
+    from tirl.rl.config import SFTConfig
+    from tirl.rl.plan import workload_of
+
+    recipe = load_config(SFTConfig, RECIPE / "sft.yaml")
+    assert workload_of(recipe) == Workload((4, 8192), bf16=True, gradient_checkpointing=True)
+    changed = load_config(
+        SFTConfig,
+        RECIPE / "sft.yaml",
+        [
+            "max_length=3000",
+            "optim.dtype=float32",
+            "optim.gradient_checkpointing=false",
+            "optim.lora.enabled=true",
+        ],
+    )
+    lora = changed.optim.lora.model_dump()
+    assert lora["enabled"] and lora["rank"] == 16
+    assert workload_of(changed) == Workload((10, 3000), bf16=False, gradient_checkpointing=False, lora=lora)
+
+
+def test_the_workload_of_an_rl_config_carries_its_engine_and_precision():
+    from tirl.config import load_config
+    from tirl.rl.config import TrainConfig
+    from tirl.rl.plan import workload_of
+
+    engine = dict(
+        max_model_len=16384, gpu_memory_utilization=0.65, tensor_parallel_size=1, dtype="bfloat16",
+        max_batch_size=256, backend="vllm",
+    )  # fmt: skip
+    recipe = load_config(TrainConfig, RECIPE / "train.yaml")
+    assert workload_of(recipe) == Workload((2, 16384), True, True, engine)
+    fp32 = load_config(
+        TrainConfig, RECIPE / "train.yaml", ["optim.dtype=float32", "optim.gradient_checkpointing=false"]
+    )
+    assert workload_of(fp32) == Workload((2, 16384), False, False, engine)
+
+
+@pytest.mark.parametrize(
+    ("variables", "slack"),
+    [
+        ({}, 0.05),  # the trainer turns expandable segments on
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, 0.05),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, Expandable_Segments : TRUE"}, 0.05),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, 0.15),  # fixed segments fragment
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, 0.15),
+        # the newer name first, the older one only without it (the order torch reads them in)
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}, 0.05),
+        ({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, 0.15),
+    ],
+)  # fmt: skip
+def test_the_allocator_slack_follows_the_allocator_the_trainer_will_run(monkeypatch, variables, slack):
+    from tirl.rl.plan import allocator_slack
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert allocator_slack() == slack
