@@ -313,16 +313,30 @@ def test_the_largest_context_at_its_edges_and_for_sft():
     assert (key, length, plan.workload.engine, plan.fits) == ("max_length", 1024, None, True)
 
 
-def _handoff_bytes(config) -> int:
+def _handoff_bytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
     """What the in-process sync allocates for this model (tirl.runtime.base.load_sources: every parameter,
-    a tied one once, laid out by the handoff in the engines' bf16), about 2 bytes a parameter."""
+    a tied one once, laid out by the handoff in the engines' dtype), about 2 bytes a parameter in bf16."""
     from tirl.engines.handoff import ALIGN, flat_layout
     from tirl.rl.plan import meta_model
 
     params = dict(meta_model(config).named_parameters())
-    _, nbytes = flat_layout(((n, tuple(p.shape), p.dtype) for n, p in params.items()), torch.bfloat16)
-    assert 0 <= nbytes - 2 * parameter_count(config) < ALIGN * len(params)
+    _, nbytes = flat_layout(((n, tuple(p.shape), p.dtype) for n, p in params.items()), dtype)
+    assert 0 <= nbytes - dtype.itemsize * parameter_count(config) < ALIGN * len(params)
     return nbytes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_sync_is_sized_in_the_engines_dtype(wide, dtype):
+    """An engine in float32 takes 4 bytes a parameter at every sync, twice a bf16 engine's: the sync's
+    size and its packed buffer follow engine.dtype (the training memory does not enter them)."""
+    from tirl.rl.plan import TrainingMemory
+
+    training = TrainingMemory(peak=GiB, by_category={}, resident=GiB)
+    workload = _workload(engine=ENGINE | {"dtype": dtype})
+    plan = plan_from(wide, ClusterShape(8, 80 * GiB, True, True), workload, "wide", training)
+    width = torch.float32 if dtype == "float32" else torch.bfloat16
+    assert plan.sync_buffer == _handoff_bytes(wide, width)
+    assert plan.sync_bytes == pytest.approx(width.itemsize * parameter_count(wide), rel=0.01)
 
 
 def _sync_line(plan) -> str:
