@@ -242,3 +242,31 @@ def test_the_allocator_slack_follows_the_allocator_the_trainer_will_run(monkeypa
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert allocator_slack() == slack
+
+
+@pytest.mark.parametrize(
+    ("overrides", "colocated", "offload", "transport"),
+    [
+        ([], True, True, "load"),  # backend local: engine i on cuda:i, the synchronous trainer offloads
+        (["algorithm.async=true", "engine.enable_sleep_mode=false"], True, False, "load"),  # async: never
+        (["cluster.backend=ray"], False, False, "group"),  # Ray's own GPUs per engine, its sync group
+        (["cluster.backend=ray", "cluster.colocate=true", "cluster.trainer.ranks=8"], True, True, "group"),
+    ],
+)  # fmt: skip
+def test_the_cluster_shape_of_a_config_is_the_layout_the_trainer_runs(
+    overrides, colocated, offload, transport
+):
+    from tirl.config import load_config
+    from tirl.rl.config import SFTConfig, TrainConfig
+    from tirl.rl.plan import cluster_of
+
+    cfg = load_config(TrainConfig, RECIPE / "train.yaml", overrides)
+    assert cluster_of(cfg, 8, 80 * GiB) == ClusterShape(8, 80 * GiB, colocated, offload, transport)
+    # what the caller says wins over the config (tirl plan --colocate / --separate, --trainer-offload)
+    assert cluster_of(cfg, 64, GiB, not colocated, not offload) == ClusterShape(
+        64, GiB, not colocated, not offload, transport
+    )
+    told = cluster_of(cfg, 8, GiB, colocated=not colocated)  # offload follows the layout it is told
+    assert told.trainer_offload == (not colocated and not cfg.algorithm.async_)
+    sft = load_config(SFTConfig, RECIPE / "sft.yaml")  # no engines: nothing shares the trainer's GPUs
+    assert cluster_of(sft, 8, GiB) == ClusterShape(8, GiB, False, False, "load")
