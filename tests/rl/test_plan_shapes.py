@@ -343,6 +343,38 @@ def _sync_line(plan) -> str:
     return next(line for line in plan.lines() if line.startswith("weight sync on rank 0's GPU: "))
 
 
+def test_a_plan_names_its_model_and_takes_the_allocators_slack(wide, monkeypatch):
+    """Unnamed, a plan is named by the architecture's model_type; its training total carries the slack
+    of the allocator the trainer will run: 15% with fixed segments (PYTORCH_CUDA_ALLOC_CONF set without
+    expandable segments), 5% without the variable (the trainer turns them on)."""
+    from tirl.rl.plan import TrainingMemory
+
+    training = TrainingMemory(peak=10 * GiB, by_category={}, resident=GiB)
+    cluster, workload = ClusterShape(8, 80 * GiB, True, True), _workload()
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    default = plan_from(wide, cluster, workload, "", training)
+    assert default.architecture == "qwen3" and default.slack == 0.05
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    fixed = plan_from(wide, cluster, workload, "wide", training)
+    assert fixed.architecture == "wide" and fixed.slack == 0.15
+    assert fixed.training_total - default.training_total == int(training.peak * 0.15) - int(
+        training.peak * 0.05
+    )
+
+
+@pytest.mark.parametrize("gpus,in_file", [(2, False), (4, True)])
+def test_a_tensor_parallel_engine_on_all_gpus_needs_no_shm_file(wide, gpus, in_file):
+    """Colocated TP-2 engines: on 2 GPUs the one engine spans rank 0's GPU and reads the packed sync
+    there (CUDA IPC); on 4 the second engine is on GPUs without the buffer and reads /dev/shm."""
+    from tirl.rl.plan import TrainingMemory
+
+    training = TrainingMemory(peak=GiB, by_category={}, resident=GiB)
+    workload = _workload(engine=ENGINE | {"tensor_parallel_size": 2})
+    plan = plan_from(wide, ClusterShape(gpus, 80 * GiB, True, True), workload, "wide", training)
+    assert plan.buffer_on_gpu and plan.buffer_in_file == in_file
+
+
 @pytest.mark.parametrize("world", [1, 8])
 def test_a_torchrun_sync_holds_the_packed_model_on_rank_0s_gpu(wide, world):
     """Colocated in-process engines (torchrun, or one process): rank 0 packs the whole sync in bf16 into
