@@ -375,6 +375,54 @@ def test_a_tensor_parallel_engine_on_all_gpus_needs_no_shm_file(wide, gpus, in_f
     assert plan.buffer_on_gpu and plan.buffer_in_file == in_file
 
 
+def test_only_in_process_vllm_engines_take_the_sync_packed_whole(wide):
+    """The HF engine takes (name, tensor) pairs: no packed buffer on a GPU or in /dev/shm, colocated or
+    not; vLLM's does (an engine without a backend is vLLM, the config's default)."""
+    from tirl.rl.plan import TrainingMemory
+
+    training = TrainingMemory(peak=GiB, by_category={}, resident=GiB)
+    for colocated in (True, False):
+        cluster = ClusterShape(8, 80 * GiB, colocated, colocated)
+        hf = plan_from(wide, cluster, _workload(engine=ENGINE | {"backend": "hf"}), "wide", training)
+        assert (hf.sync_buffer, hf.buffer_on_gpu, hf.buffer_in_file) == (0, False, False)
+        vllm = plan_from(wide, cluster, _workload(engine=ENGINE | {"backend": "vllm"}), "wide", training)
+        assert vllm.sync_buffer == _handoff_bytes(wide) and vllm.buffer_in_file
+        assert vllm.buffer_on_gpu == colocated
+
+
+def test_training_that_fills_the_gpu_exactly_fits(wide):
+    from dataclasses import replace
+
+    from tirl.rl.plan import TrainingMemory, training_fits
+
+    training = TrainingMemory(peak=10 * GiB, by_category={}, resident=GiB)
+    plan = plan_from(wide, ClusterShape(8, 80 * GiB, True, True), _workload(), "wide", training)
+    exact = replace(plan, cluster=replace(plan.cluster, gpu_memory=plan.training_total))
+    assert training_fits(exact)
+    assert not training_fits(replace(exact, training_total=plan.training_total + 1))
+
+
+@pytest.mark.parametrize("length", [4096, 32768])
+def test_the_lowest_utilization_is_the_first_hundredth_with_room_for_a_trajectory(wide, length):
+    """utilization_range's low end: at that gpu_memory_utilization the engine holds one trajectory of
+    max_model_len, one hundredth less it holds none."""
+    from tirl.rl.plan import TrainingMemory
+
+    training = TrainingMemory(peak=GiB, by_category={}, resident=GiB)
+    engine = ENGINE | {"max_model_len": length}
+    plan = plan_from(wide, ClusterShape(8, 80 * GiB, True, True), _workload(engine=engine), "wide", training)
+    low, high = utilization_range(wide, plan)
+    params = parameter_count(wide)
+
+    def trajectories(utilization: float) -> int:
+        return engine_memory(
+            wide, params, 80 * GiB, engine | {"gpu_memory_utilization": utilization}
+        ).trajectories
+
+    assert 0 < low < high <= 1 and round(low * 100) == low * 100
+    assert trajectories(low) >= 1 and trajectories(round(low - 0.01, 2)) == 0
+
+
 @pytest.mark.parametrize("world", [1, 8])
 def test_a_torchrun_sync_holds_the_packed_model_on_rank_0s_gpu(wide, world):
     """Colocated in-process engines (torchrun, or one process): rank 0 packs the whole sync in bf16 into
