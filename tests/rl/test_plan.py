@@ -270,3 +270,27 @@ def test_the_cluster_shape_of_a_config_is_the_layout_the_trainer_runs(
     assert told.trainer_offload == (not colocated and not cfg.algorithm.async_)
     sft = load_config(SFTConfig, RECIPE / "sft.yaml")  # no engines: nothing shares the trainer's GPUs
     assert cluster_of(sft, 8, GiB) == ClusterShape(8, GiB, False, False, "load")
+
+
+def test_the_engines_reserve_grows_with_its_sequences_and_splits_over_tensor_parallel_gpus():
+    """vLLM's non-KV memory: 8 bytes of vocabulary per running sequence (the sampler's fp32 logits,
+    two copies); one batched forward's q/k/v and gate/up split over the `tp` GPUs, the residual stream
+    not; whole bytes even where the split is uneven; one GPU unless told."""
+    from types import SimpleNamespace
+
+    from tirl.rl.plan import ENGINE_BATCHED_TOKENS, engine_reserve
+
+    wide = architecture_config("qwen3-14b")
+    h, i = wide.hidden_size, wide.intermediate_size
+    assert engine_reserve(wide, 257) - engine_reserve(wide, 256) == 2 * 4 * wide.vocab_size
+    assert engine_reserve(wide, 256) == engine_reserve(wide, 256, 1)
+    split = 2 * h + 3 * i  # the per-token width of what tensor parallelism splits (attention, MLP)
+    assert (
+        engine_reserve(wide, 256, 1) - engine_reserve(wide, 256, 2) == ENGINE_BATCHED_TOKENS * 2 * split // 2
+    )
+    odd = SimpleNamespace(hidden_size=1001, intermediate_size=3001, vocab_size=1000)
+    uneven = engine_reserve(odd, 1, 3)
+    assert isinstance(uneven, int)
+    assert uneven - engine_reserve(odd, 1, 1) == ENGINE_BATCHED_TOKENS * 2 * (
+        (2 * 1001 + 3 * 3001) // 3 - (2 * 1001 + 3 * 3001)
+    )
