@@ -294,3 +294,23 @@ def test_the_engines_reserve_grows_with_its_sequences_and_splits_over_tensor_par
     assert uneven - engine_reserve(odd, 1, 1) == ENGINE_BATCHED_TOKENS * 2 * (
         (2 * 1001 + 3 * 3001) // 3 - (2 * 1001 + 3 * 3001)
     )
+
+
+def test_an_engines_memory_follows_its_dtype_batch_and_tensor_parallel_size():
+    """A float32 engine holds 4 bytes a weight and a KV entry (bf16: 2); max_batch_size sizes the
+    sampler's reserve; an engine dict without tensor_parallel_size is one GPU; weights split over tp
+    GPUs in whole bytes."""
+    from tirl.rl.plan import engine_reserve
+
+    config = architecture_config("qwen3-0.6b")
+    params = parameter_count(config)
+    bf16 = engine_memory(config, params, 80 * GiB, ENGINE)
+    fp32 = engine_memory(config, params, 80 * GiB, ENGINE | {"dtype": "float32"})
+    assert (bf16.weights, fp32.weights) == (params * 2, params * 4)
+    assert fp32.kv_per_token == 2 * bf16.kv_per_token == kv_bytes_per_token(config, 4)
+    wide = engine_memory(config, params, 80 * GiB, ENGINE | {"max_batch_size": 512})
+    assert wide.reserve == engine_reserve(config, 512) and bf16.reserve == engine_reserve(config, 256)
+    one = {k: v for k, v in ENGINE.items() if k != "tensor_parallel_size"}
+    assert engine_memory(config, params, 80 * GiB, one) == bf16
+    split = engine_memory(config, params + 1, 80 * GiB, ENGINE | {"tensor_parallel_size": 4})
+    assert split.weights == (params + 1) * 2 // 4 and isinstance(split.weights, int)
