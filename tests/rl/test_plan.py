@@ -13,16 +13,23 @@ import torch
 from typer.testing import CliRunner
 
 import tirl
+from tirl.config import load_config
+from tirl.rl.config import SFTConfig, TrainConfig
 from tirl.rl.memory_probe import measure_training
 from tirl.rl.plan import (
+    ENGINE_BATCHED_TOKENS,
     ClusterShape,
     GiB,
     Workload,
+    allocator_slack,
     architecture_config,
+    cluster_of,
     engine_memory,
+    engine_reserve,
     kv_bytes_per_token,
     micro_batch_shape,
     parameter_count,
+    workload_of,
 )
 from tirl.rl.planner import make_plan
 
@@ -154,8 +161,6 @@ def test_the_plan_command_on_the_recipe(tiny_model_dir):
 
 
 def test_no_preflight_without_a_gpu():
-    from tirl.config import load_config
-    from tirl.rl.config import SFTConfig
     from tirl.rl.plan import memory_preflight
 
     cfg = load_config(SFTConfig, RECIPE / "sft.yaml")
@@ -183,10 +188,6 @@ def test_kv_bytes_per_token_uses_the_models_own_head_dim_and_splits_heads_over_t
 def test_the_workload_of_an_sft_config_is_its_longest_examples_in_its_token_budget():
     """`tirl sft`'s preflight plans this: no engine, sequences of max_length (as many as the budget
     holds), the precision, checkpointing and adapters the config trains with."""
-    from tirl.config import load_config
-    from tirl.rl.config import SFTConfig
-    from tirl.rl.plan import workload_of
-
     recipe = load_config(SFTConfig, RECIPE / "sft.yaml")
     assert workload_of(recipe) == Workload((4, 8192), bf16=True, gradient_checkpointing=True)
     changed = load_config(
@@ -205,10 +206,6 @@ def test_the_workload_of_an_sft_config_is_its_longest_examples_in_its_token_budg
 
 
 def test_the_workload_of_an_rl_config_carries_its_engine_and_precision():
-    from tirl.config import load_config
-    from tirl.rl.config import TrainConfig
-    from tirl.rl.plan import workload_of
-
     engine = dict(
         max_model_len=16384, gpu_memory_utilization=0.65, tensor_parallel_size=1, dtype="bfloat16",
         max_batch_size=256, backend="vllm",
@@ -235,7 +232,6 @@ def test_the_workload_of_an_rl_config_carries_its_engine_and_precision():
     ],
 )  # fmt: skip
 def test_the_allocator_slack_follows_the_allocator_the_trainer_will_run(monkeypatch, variables, slack):
-    from tirl.rl.plan import allocator_slack
 
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
@@ -256,9 +252,6 @@ def test_the_allocator_slack_follows_the_allocator_the_trainer_will_run(monkeypa
 def test_the_cluster_shape_of_a_config_is_the_layout_the_trainer_runs(
     overrides, colocated, offload, transport
 ):
-    from tirl.config import load_config
-    from tirl.rl.config import SFTConfig, TrainConfig
-    from tirl.rl.plan import cluster_of
 
     cfg = load_config(TrainConfig, RECIPE / "train.yaml", overrides)
     assert cluster_of(cfg, 8, 80 * GiB) == ClusterShape(8, 80 * GiB, colocated, offload, transport)
@@ -278,8 +271,6 @@ def test_the_engines_reserve_grows_with_its_sequences_and_splits_over_tensor_par
     not; whole bytes even where the split is uneven; one GPU unless told."""
     from types import SimpleNamespace
 
-    from tirl.rl.plan import ENGINE_BATCHED_TOKENS, engine_reserve
-
     wide = architecture_config("qwen3-14b")
     h, i = wide.hidden_size, wide.intermediate_size
     assert engine_reserve(wide, 257) - engine_reserve(wide, 256) == 2 * 4 * wide.vocab_size
@@ -289,19 +280,15 @@ def test_the_engines_reserve_grows_with_its_sequences_and_splits_over_tensor_par
         engine_reserve(wide, 256, 1) - engine_reserve(wide, 256, 2) == ENGINE_BATCHED_TOKENS * 2 * split // 2
     )
     odd = SimpleNamespace(hidden_size=1001, intermediate_size=3001, vocab_size=1000)
-    uneven = engine_reserve(odd, 1, 3)
+    uneven, odd_split = engine_reserve(odd, 1, 3), 2 * 1001 + 3 * 3001
     assert isinstance(uneven, int)
-    assert uneven - engine_reserve(odd, 1, 1) == ENGINE_BATCHED_TOKENS * 2 * (
-        (2 * 1001 + 3 * 3001) // 3 - (2 * 1001 + 3 * 3001)
-    )
+    assert uneven - engine_reserve(odd, 1, 1) == ENGINE_BATCHED_TOKENS * 2 * (odd_split // 3 - odd_split)
 
 
 def test_an_engines_memory_follows_its_dtype_batch_and_tensor_parallel_size():
     """A float32 engine holds 4 bytes a weight and a KV entry (bf16: 2); max_batch_size sizes the
     sampler's reserve; an engine dict without tensor_parallel_size is one GPU; weights split over tp
     GPUs in whole bytes."""
-    from tirl.rl.plan import engine_reserve
-
     config = architecture_config("qwen3-0.6b")
     params = parameter_count(config)
     bf16 = engine_memory(config, params, 80 * GiB, ENGINE)

@@ -23,6 +23,7 @@ from tirl.rl.plan import (
     TRAINER_CONTEXT,
     ClusterShape,
     GiB,
+    TrainingMemory,
     Workload,
     architecture_config,
     engine_memory,
@@ -58,6 +59,11 @@ def wide_dir(wide, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("wide")
     wide.save_pretrained(path)
     return path
+
+
+def _stand_in(peak: int = GiB) -> TrainingMemory:
+    """A training measurement for tests of what a plan adds around it (no fake-tensor run)."""
+    return TrainingMemory(peak=peak, by_category={}, resident=GiB)
 
 
 def _workload(lora: bool = False, engine: dict | None = ENGINE, shape=SHAPE) -> Workload:
@@ -329,9 +335,7 @@ def _handoff_bytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
 def test_the_sync_is_sized_in_the_engines_dtype(wide, dtype):
     """An engine in float32 takes 4 bytes a parameter at every sync, twice a bf16 engine's: the sync's
     size and its packed buffer follow engine.dtype (the training memory does not enter them)."""
-    from tirl.rl.plan import TrainingMemory
-
-    training = TrainingMemory(peak=GiB, by_category={}, resident=GiB)
+    training = _stand_in()
     workload = _workload(engine=ENGINE | {"dtype": dtype})
     plan = plan_from(wide, ClusterShape(8, 80 * GiB, True, True), workload, "wide", training)
     width = torch.float32 if dtype == "float32" else torch.bfloat16
@@ -347,9 +351,7 @@ def test_a_plan_names_its_model_and_takes_the_allocators_slack(wide, monkeypatch
     """Unnamed, a plan is named by the architecture's model_type; its training total carries the slack
     of the allocator the trainer will run: 15% with fixed segments (PYTORCH_CUDA_ALLOC_CONF set without
     expandable segments), 5% without the variable (the trainer turns them on)."""
-    from tirl.rl.plan import TrainingMemory
-
-    training = TrainingMemory(peak=10 * GiB, by_category={}, resident=GiB)
+    training = _stand_in(10 * GiB)
     cluster, workload = ClusterShape(8, 80 * GiB, True, True), _workload()
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -367,9 +369,7 @@ def test_a_plan_names_its_model_and_takes_the_allocators_slack(wide, monkeypatch
 def test_a_tensor_parallel_engine_on_all_gpus_needs_no_shm_file(wide, gpus, in_file):
     """Colocated TP-2 engines: on 2 GPUs the one engine spans rank 0's GPU and reads the packed sync
     there (CUDA IPC); on 4 the second engine is on GPUs without the buffer and reads /dev/shm."""
-    from tirl.rl.plan import TrainingMemory
-
-    training = TrainingMemory(peak=GiB, by_category={}, resident=GiB)
+    training = _stand_in()
     workload = _workload(engine=ENGINE | {"tensor_parallel_size": 2})
     plan = plan_from(wide, ClusterShape(gpus, 80 * GiB, True, True), workload, "wide", training)
     assert plan.buffer_on_gpu and plan.buffer_in_file == in_file
@@ -378,9 +378,7 @@ def test_a_tensor_parallel_engine_on_all_gpus_needs_no_shm_file(wide, gpus, in_f
 def test_only_in_process_vllm_engines_take_the_sync_packed_whole(wide):
     """The HF engine takes (name, tensor) pairs: no packed buffer on a GPU or in /dev/shm, colocated or
     not; vLLM's does (an engine without a backend is vLLM, the config's default)."""
-    from tirl.rl.plan import TrainingMemory
-
-    training = TrainingMemory(peak=GiB, by_category={}, resident=GiB)
+    training = _stand_in()
     for colocated in (True, False):
         cluster = ClusterShape(8, 80 * GiB, colocated, colocated)
         hf = plan_from(wide, cluster, _workload(engine=ENGINE | {"backend": "hf"}), "wide", training)
@@ -393,9 +391,9 @@ def test_only_in_process_vllm_engines_take_the_sync_packed_whole(wide):
 def test_training_that_fills_the_gpu_exactly_fits(wide):
     from dataclasses import replace
 
-    from tirl.rl.plan import TrainingMemory, training_fits
+    from tirl.rl.plan import training_fits
 
-    training = TrainingMemory(peak=10 * GiB, by_category={}, resident=GiB)
+    training = _stand_in(10 * GiB)
     plan = plan_from(wide, ClusterShape(8, 80 * GiB, True, True), _workload(), "wide", training)
     exact = replace(plan, cluster=replace(plan.cluster, gpu_memory=plan.training_total))
     assert training_fits(exact)
@@ -406,9 +404,7 @@ def test_training_that_fills_the_gpu_exactly_fits(wide):
 def test_the_lowest_utilization_is_the_first_hundredth_with_room_for_a_trajectory(wide, length):
     """utilization_range's low end: at that gpu_memory_utilization the engine holds one trajectory of
     max_model_len, one hundredth less it holds none."""
-    from tirl.rl.plan import TrainingMemory
-
-    training = TrainingMemory(peak=GiB, by_category={}, resident=GiB)
+    training = _stand_in()
     engine = ENGINE | {"max_model_len": length}
     plan = plan_from(wide, ClusterShape(8, 80 * GiB, True, True), _workload(engine=engine), "wide", training)
     low, high = utilization_range(wide, plan)
