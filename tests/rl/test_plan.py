@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,10 @@ from tirl.rl.memory_probe import measure_training
 from tirl.rl.plan import (
     ENGINE_BATCHED_TOKENS,
     ClusterShape,
+    EngineMemory,
     GiB,
+    Plan,
+    TrainingMemory,
     Workload,
     allocator_slack,
     architecture_config,
@@ -301,3 +305,164 @@ def test_an_engines_memory_follows_its_dtype_batch_and_tensor_parallel_size():
     assert engine_memory(config, params, 80 * GiB, one) == bf16
     split = engine_memory(config, params + 1, 80 * GiB, ENGINE | {"tensor_parallel_size": 4})
     assert split.weights == (params + 1) * 2 // 4 and isinstance(split.weights, int)
+
+
+def _paper_like_plan() -> Plan:
+    """A colocated TP-2 plan with LoRA that does not fit, every term of its text set, in whole GiB."""
+    return Plan(
+        architecture="qwen3-14b",
+        parameters=14_770_000_000,
+        cluster=ClusterShape(gpus=8, gpu_memory=80 * GiB, colocated=True, trainer_offload=True),
+        workload=Workload(micro_batch=(2, 4096), engine={"tensor_parallel_size": 2}, lora={"rank": 32}),
+        training=TrainingMemory(
+            peak=40 * GiB,
+            by_category={"Sharded Param": 4 * GiB, "Activation": 30 * GiB, "Other": 5 * 2**20},
+            resident=12 * GiB,
+            trainable=64_000_000,
+        ),
+        engine=EngineMemory(
+            budget=32 * GiB,
+            weights=14 * GiB,
+            reserve=2 * GiB,
+            kv_cache=16 * GiB,
+            kv_per_token=80 * 1024,
+            trajectory_tokens=8192,
+            trajectories=25,
+        ),
+        sync_bytes=28 * GiB,
+        training_total=45 * GiB,
+        rollout_total=int(33.5 * GiB),
+        sync_total=52 * GiB,
+        largest_tensor=3 * GiB,
+        sync_buffer=28 * GiB,
+        buffer_on_gpu=True,
+        buffer_in_file=True,
+        advice=["the sync needs 52.0 GiB", "lower the engine's utilization"],
+        fixes={"engine.gpu_memory_utilization": "0.3", "optim.micro_batch_tokens": "4096"},
+    )
+
+
+def test_a_colocated_plans_text_adds_up_term_by_term():
+    """What `tirl plan` prints for the paper's layout, line by line: each phase's terms and total, the
+    layout with its tensor parallel size and offload, LoRA's trainable share, where the sync is staged."""
+    assert _paper_like_plan().lines() == [
+        "model: qwen3-14b, 14.77B parameters",
+        "cluster: 8 GPUs x 80.0 GiB, colocated engines, tensor parallel 2, trainer state offloaded to the "
+        "host during rollouts",
+        "training (measured: 2 micro-batches of 2 x 4096 tokens accumulate, padding mask, AdamW step): "
+        "peak 40.0 GiB per GPU (Sharded Param 4.0, Activation 30.0)",
+        "LoRA: rank 32, 64.00M trainable parameters (0.43%); gradients and AdamW state for them only, the "
+        "frozen base in the compute dtype",
+        "training per GPU: measured peak 40.0 + allocator slack 5% 2.0 + CUDA/NCCL context 1.5 + sleeping "
+        "engine 1.5 = 45.0 GiB of 80.0; resident between steps 12.0 GiB",
+        "engine: budget 32.0 GiB = weights 14.0 + reserve 2.0 + KV cache 16.0 GiB (80 KiB per token)",
+        "  25 trajectories of 8192 tokens at once per engine (209715 tokens)",
+        "rollout per GPU: engine budget 32.0 + trainer context 1.5 = 33.5 GiB of 80.0",
+        "weight sync on rank 0's GPU: engine weights 14.0 + engine context 1.5 + trainer parameters 4.0 + "
+        "one gathered fp32 tensor 3.0 + sync buffer (the synced weights packed whole) 28.0 + trainer "
+        "context 1.5 = 52.0 GiB of 80.0",
+        "weight sync: 28.0 GiB per sync, packed whole on rank 0's GPU (engine 0 opens it by CUDA IPC), and "
+        "one 28.0 GiB /dev/shm file on rank 0's host for the engines on other GPUs",
+        "DOES NOT FIT: the sync needs 52.0 GiB; lower the engine's utilization",
+        "fits with: engine.gpu_memory_utilization=0.3 optim.micro_batch_tokens=4096",
+    ]
+
+
+def test_a_separate_plans_text_and_its_variants():
+    """Separate engines on Ray: no sleeping engine or trainer state beside the engine, the sync streamed
+    over the group, no sync phase on a GPU; an engine too small for its weights says so; the trainer's
+    state stays for the rollout when it is not offloaded; a file-only sync; the verdict when it fits."""
+    separate = replace(
+        _paper_like_plan(),
+        architecture="tiny",
+        parameters=6_000_000,
+        cluster=ClusterShape(gpus=2, gpu_memory=24 * GiB, colocated=False, transport="group"),
+        workload=Workload(micro_batch=(1, 1024), engine={"max_model_len": 1024}),
+        training=TrainingMemory(
+            peak=2 * GiB, by_category={"Sharded Param": GiB // 2, "Optstate": GiB}, resident=GiB
+        ),
+        engine=EngineMemory(
+            budget=2 * GiB,
+            weights=3 * GiB,
+            reserve=GiB,
+            kv_cache=0,
+            kv_per_token=4096,
+            trajectory_tokens=1024,
+            trajectories=0,
+        ),
+        sync_bytes=int(1.2 * GiB),
+        slack=0.10,
+        training_total=int(3.7 * GiB),
+        rollout_total=2 * GiB,
+        sync_total=None,
+        largest_tensor=0,
+        buffer_on_gpu=False,
+        buffer_in_file=False,
+        fits=True,
+        advice=[],
+        fixes={},
+    )
+    assert separate.lines() == [
+        "model: tiny, 0.01B parameters",
+        "cluster: 2 GPUs x 24.0 GiB, separate engines, tensor parallel 1",
+        "training (measured: 2 micro-batches of 1 x 1024 tokens accumulate, padding mask, AdamW step): "
+        "peak 2.0 GiB per GPU (Sharded Param 0.5, Optstate 1.0)",
+        "training per GPU: measured peak 2.0 + allocator slack 10% 0.2 + CUDA/NCCL context 1.5 = 3.7 GiB of "
+        "24.0; resident between steps 1.0 GiB",
+        "engine: budget 2.0 GiB is less than its weights 3.0 + reserve 1.0 GiB: no room for a KV cache",
+        "  0 trajectories of 1024 tokens at once per engine (0 tokens)",
+        "rollout per GPU: engine budget 2.0 = 2.0 GiB of 24.0",
+        "weight sync: 1.2 GiB per sync, streamed in buckets over the sync group",
+        "FITS: 3.7 GiB training peak per GPU of 24.0 GiB",
+    ]
+    assert separate.as_dict()["verdict"] == "FITS: 3.7 GiB training peak per GPU of 24.0 GiB"
+    # An engine exactly its weights and reserve has a KV cache of nothing, not "no room".
+    exact = replace(separate, engine=replace(separate.engine, budget=4 * GiB))
+    assert exact.lines()[4] == (
+        "engine: budget 4.0 GiB = weights 3.0 + reserve 1.0 + KV cache 0.0 GiB (4 KiB per token)"
+    )
+    # Colocated without offload: the trainer's resident state shares the GPU with the awake engine, and
+    # the sync phase on every GPU (no buffer on rank 0's) names no gathered tensor it does not make.
+    kept = replace(
+        separate,
+        cluster=ClusterShape(gpus=2, gpu_memory=24 * GiB, colocated=True),
+        training_total=int(5.2 * GiB),
+        rollout_total=int(4.5 * GiB),
+        sync_total=int(6.5 * GiB),
+        buffer_in_file=True,
+        sync_buffer=int(1.2 * GiB),
+    )
+    assert kept.lines()[1] == "cluster: 2 GPUs x 24.0 GiB, colocated engines, tensor parallel 1"
+    assert kept.lines()[3:4] + kept.lines()[6:] == [
+        "training per GPU: measured peak 2.0 + allocator slack 10% 0.2 + CUDA/NCCL context 1.5 + sleeping "
+        "engine 1.5 = 5.2 GiB of 24.0; resident between steps 1.0 GiB",
+        "rollout per GPU: engine budget 2.0 + trainer state 1.0 + trainer context 1.5 = 4.5 GiB of 24.0",
+        "weight sync per GPU: engine weights 3.0 + engine context 1.5 + trainer parameters 0.5 + trainer "
+        "context 1.5 = 6.5 GiB of 24.0",
+        "weight sync: 1.2 GiB per sync, packed whole into one 1.2 GiB /dev/shm file on rank 0's host for "
+        "the engines on other GPUs",
+        "FITS: 5.2 GiB training peak per GPU of 24.0 GiB",
+    ]
+
+
+def test_a_training_only_plan_names_no_engine():
+    """SFT's plan: no engine, no rollout or sync phase, no sleeping engine on a colocated GPU."""
+    sft = replace(
+        _paper_like_plan(),
+        cluster=ClusterShape(gpus=1, gpu_memory=80 * GiB),
+        workload=Workload(micro_batch=(4, 2048)),
+        engine=None,
+        rollout_total=None,
+        sync_total=None,
+        training_total=int(43.5 * GiB),
+        fits=True,
+        fixes={},
+    )
+    assert sft.lines()[1:] == [
+        "cluster: 1 GPUs x 80.0 GiB, training only",
+        "training (measured: 2 micro-batches of 4 x 2048 tokens accumulate, padding mask, AdamW step): "
+        "peak 40.0 GiB per GPU (Sharded Param 4.0, Activation 30.0)",
+        "training per GPU: measured peak 40.0 + allocator slack 5% 2.0 + CUDA/NCCL context 1.5 = 43.5 GiB of "
+        "80.0; resident between steps 12.0 GiB",
+        "FITS: 43.5 GiB training peak per GPU of 80.0 GiB",
+    ]

@@ -23,8 +23,10 @@ from tirl.rl.plan import (
     TRAINER_CONTEXT,
     ClusterShape,
     GiB,
+    Plan,
     TrainingMemory,
     Workload,
+    _advice,
     architecture_config,
     engine_memory,
     max_model_len_fix,
@@ -509,3 +511,103 @@ def test_the_largest_model_walks_the_family_down_from_the_largest(monkeypatch):
         assert (key, arch, plan.architecture, plan.fits) == ("model", answer, answer, True)
     key, arch, plan = largest(asked, ClusterShape(8, one // 2, True, True), workload, "model", "one")
     assert (arch, plan.architecture, plan.fits) == (None, "one", False)
+
+
+QWEN3_14B_PARAMETERS = (
+    14_768_307_200  # parameter_count(architecture_config("qwen3-14b")): tested in test_plan.py
+)
+
+
+def _judged(
+    card: float, engine: dict | None, cluster: dict | None = None, training_total: float = 10, **plan
+) -> tuple[Plan, object]:
+    """A hand-built 14B plan on 8 GPUs of `card` GiB (no measurement: the advice reads only the plan's
+    totals), its rollout total what plan_from would sum, and the advice for it."""
+    config = architecture_config("qwen3-14b")
+    shape = ClusterShape(8, int(card * GiB), **(cluster or {}))
+    training = TrainingMemory(40 * GiB, {"Sharded Param": 7 * GiB, "OptState": 14 * GiB}, resident=21 * GiB)
+    made = Plan(
+        "14b", QWEN3_14B_PARAMETERS, shape, plan.pop("workload", Workload(SHAPE, engine=engine)), training,
+        engine_memory(config, QWEN3_14B_PARAMETERS, shape.gpu_memory, engine) if engine else None,
+        sync_bytes=0, training_total=int(training_total * GiB), rollout_total=None, **plan,
+    )  # fmt: skip
+    if made.engine is not None:
+        made.rollout_total = sum(v for _, v in made._rollout_terms())
+    made.advice = _advice(config, made)
+    return made, config
+
+
+def test_each_phase_that_does_not_fit_gets_one_item_naming_its_keys():
+    """Training, rollout and the sync over an 80 GiB card, word for word: every training option that
+    applies (micro-batch, checkpointing, LoRA, GPUs with the sharded state, the context), the highest
+    utilization with room beside the trainer's resident state, and the packed sync's way out (Ray)."""
+    engine = ENGINE | {"max_model_len": 16384, "gpu_memory_utilization": 0.9}
+    workload = Workload(SHAPE, gradient_checkpointing=False, engine=engine)
+    plan, _ = _judged(
+        80, engine, training_total=95, workload=workload, sync_total=100 * GiB, buffer_on_gpu=True,
+        sync_buffer=int(27.5 * GiB),
+    )  # fmt: skip
+    # beside the engine: the resident 21 GiB and the trainer's 1.5 GiB context; floor(100 * 57.5 / 80)
+    assert plan.rollout_total == int(72 * GiB + 21 * GiB + TRAINER_CONTEXT)
+    assert plan.advice == [
+        "training needs 95.0 GiB per GPU of 80.0: fewer tokens per micro-batch (optim.micro_batch_tokens, "
+        "at least engine.max_model_len=4096), or optim.gradient_checkpointing=true, or "
+        "optim.lora.enabled=true, or more GPUs (torchrun --nproc_per_node, or cluster.trainer.ranks on "
+        "Ray; the sharded state is 21.0 GiB at 8), or a shorter engine.max_model_len (`tirl plan "
+        "--largest context` finds the longest that fits)",
+        "rollout needs 94.5 GiB per GPU: set engine.gpu_memory_utilization=0.71",
+        "the weight sync needs 100.0 GiB on rank 0's GPU (the woken engine's weights next to the "
+        "trainer's parameters and the sync packed whole, 27.5 GiB): use more GPUs (smaller parameter "
+        "shards), or a larger engine.tensor_parallel_size (smaller engine weights per GPU), or "
+        "cluster.backend=ray (its sync group streams buckets)",
+    ]
+
+
+def test_training_advice_offers_only_what_would_change_it():
+    """SFT (no engine) already at one sequence per micro-batch, checkpointing on, LoRA on: more GPUs
+    or a shorter max_length, nothing else; a plan exactly the card's size needs no advice."""
+    lora = Workload((1, 8192), lora={"rank": 8})
+    plan, _ = _judged(80, None, training_total=95, workload=lora)
+    assert plan.advice == [
+        "training needs 95.0 GiB per GPU of 80.0: more GPUs (torchrun --nproc_per_node, or "
+        "cluster.trainer.ranks on Ray; the sharded state is 21.0 GiB at 8), or a shorter max_length "
+        "(`tirl plan --largest context` finds the longest that fits)"
+    ]
+    assert _judged(80, None, training_total=80, workload=lora)[0].advice == []
+
+
+def test_engine_advice_for_each_way_the_engine_misses():
+    """A KV cache too small: the utilization to raise to, at most 0.9 on a separate engine's GPU; no
+    utilization with room: tensor parallelism and/or a shorter context, or bigger GPUs when neither
+    helps; a sync over the card without a packed buffer (per GPU, no Ray to suggest), and one that
+    fills the card exactly (no advice)."""
+    long = ENGINE | {"max_model_len": 16384}
+    starved, _ = _judged(80, long | {"gpu_memory_utilization": 0.05}, {"colocated": False})
+    assert starved.advice == [
+        "an engine's KV cache (0.0 GiB) holds no trajectory of 16384 tokens: set "
+        "engine.gpu_memory_utilization=0.90"
+    ]
+    # 40 GiB at the highest utilization, 0.96, less the weights and reserve, holds 52,403 tokens' KV cache
+    for card, length, options in [
+        (24, 16384, "set engine.tensor_parallel_size=2"),
+        (40, 131072, "set engine.tensor_parallel_size=2, or set engine.max_model_len=52224"),
+    ]:
+        engine = ENGINE | {"max_model_len": length, "gpu_memory_utilization": 0.9}
+        plan, config = _judged(card, engine, {"trainer_offload": True})
+        low, high = utilization_range(config, plan)
+        assert low > high and max_model_len_fix(config, plan) == (52224 if card == 40 else None)
+        assert plan.advice == [
+            f"no engine.gpu_memory_utilization gives an engine room for one trajectory of {length} tokens "
+            f"(it needs >= {low:.2f}, the GPU leaves <= {high:.2f}): {options}"
+        ]
+    hopeless, config = _judged(8, long | {"gpu_memory_utilization": 0.9}, {"trainer_offload": True})
+    config.num_attention_heads = 5
+    assert _advice(config, hopeless)[-1].endswith(": use GPUs with more memory")
+    fitting = long | {"gpu_memory_utilization": 0.5}
+    sync, _ = _judged(80, fitting, {"trainer_offload": True}, sync_total=81 * GiB)
+    assert sync.advice == [
+        "the weight sync needs 81.0 GiB per GPU (the woken engine's weights next to the trainer's "
+        "parameters): use more GPUs (smaller parameter shards), or a larger engine.tensor_parallel_size "
+        "(smaller engine weights per GPU)"
+    ]
+    assert _judged(80, fitting, {"trainer_offload": True}, sync_total=80 * GiB)[0].advice == []
