@@ -1,0 +1,206 @@
+"""The planner's searches (tirl.rl.planner) over a training measurement with a known shape: the fixes,
+the fewest measurements to the largest micro-batch, the largest context. What is measured is a
+stand-in (a peak that grows with the micro-batch and shrinks with checkpointing and LoRA), so each
+answer can be checked against every candidate planned one by one; the real fake-tensor measurement's
+searches are test_plan_shapes.py's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from transformers import Qwen3Config
+
+import tirl
+from tirl.config import load_config
+from tirl.rl import planner
+from tirl.rl.config import SFTConfig
+from tirl.rl.plan import (
+    QWEN3_14B,
+    ClusterShape,
+    GiB,
+    TrainingMemory,
+    Workload,
+    architecture_config,
+    plan_from,
+    training_fits,
+)
+from tirl.rl.planner import default_lora, largest, largest_for_config, make_plan, plan_for_config
+
+CONFIG = Qwen3Config(**QWEN3_14B | {"num_hidden_layers": 2, "max_position_embeddings": 16384})
+ENGINE = dict(max_model_len=4096, gpu_memory_utilization=0.5, tensor_parallel_size=1, dtype="bfloat16")
+STATE = 6 * GiB  # the sharded state of one rank
+
+
+def stand_in(config, world: int, workload: Workload) -> TrainingMemory:
+    """A peak convex in the sequences (b^1.5: a straight line through two measurements misses it, so the
+    search must narrow its bracket), 4x the activations without checkpointing, a quarter of the state
+    with LoRA."""
+    b, n = workload.micro_batch
+    activations = int(b**1.5 * n * 64 * 1024) * (1 if workload.gradient_checkpointing else 4)
+    state = STATE // (4 if workload.lora else 1)
+    return TrainingMemory(state + activations, {"Sharded Param": state // 4, "OptState": state // 2}, state)
+
+
+@pytest.fixture(autouse=True)
+def measured(monkeypatch) -> list[Workload]:
+    """The stand-in in the planner's place; the workloads it measured, in order."""
+    calls: list[Workload] = []
+
+    def measure(config, world, workload):
+        calls.append(workload)
+        return stand_in(config, world, workload)
+
+    monkeypatch.setattr(planner, "measured", measure)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    return calls
+
+
+def _plan(cluster: ClusterShape, workload: Workload):
+    return plan_from(CONFIG, cluster, workload, "wide", stand_in(CONFIG, cluster.gpus, workload))
+
+
+def _most_that_fit(cluster: ClusterShape, workload: Workload, up_to: int) -> int:
+    """The most sequences per micro-batch that fit, planning every count (0: not even one)."""
+    fits = [
+        b
+        for b in range(1, up_to + 1)
+        if training_fits(_plan(cluster, replace(workload, micro_batch=(b, 4096))))
+    ]
+    return max(fits, default=0)
+
+
+@pytest.mark.parametrize("card_gib", [8.5, 9, 12, 20, 33, 60, 100])
+def test_too_many_sequences_are_fixed_with_the_most_that_fit_in_few_measurements(card_gib, measured):
+    """A micro-batch of 64 sequences over the card: the fix is the most sequences that fit (every count
+    planned to check), as optim.micro_batch_tokens, and applying it fits; the search measures a handful
+    of micro-batches, not every count."""
+    cluster = ClusterShape(8, int(card_gib * GiB), colocated=False)
+    workload = Workload((64, 4096))
+    answer = _most_that_fit(cluster, workload, 64)
+    assert 1 <= answer < 64
+    plan = make_plan(CONFIG, cluster, workload, "wide")
+    searched = [w.micro_batch[0] for w in measured]
+    assert not plan.fits and plan.fixes == {"optim.micro_batch_tokens": str(answer * 4096)}
+    assert searched[:2] == [64, 1] and len(searched) <= 8, searched
+    assert _plan(cluster, replace(workload, micro_batch=(answer, 4096))).fits
+
+
+def test_one_sequence_over_the_card_turns_on_checkpointing_then_lora(measured):
+    """No count of sequences fits: gradient checkpointing, at the configured micro-batch when it fits so
+    (at one sequence, with its token budget, when not), then LoRA as well; nothing when even that does
+    not fit. What is on already is not offered again, and LoRA is tried with checkpointing, never alone.
+    Training totals (peak + 5% + 1.5 GiB context): 2 sequences without checkpointing 17.3 GiB, 1: 8.85;
+    with it 8.54 and 8.06; with LoRA too 3.82 and 3.34."""
+    off = Workload((2, 4096), gradient_checkpointing=False)
+
+    def fixes(card_gib: float, workload: Workload = off) -> dict[str, str]:
+        plan = make_plan(CONFIG, ClusterShape(8, int(card_gib * GiB), colocated=False), workload, "wide")
+        assert not plan.fits
+        return plan.fixes
+
+    both = {"optim.gradient_checkpointing": "true", "optim.lora.enabled": "true"}
+    assert fixes(8.7) == {"optim.gradient_checkpointing": "true"}
+    assert fixes(8.3) == {"optim.gradient_checkpointing": "true", "optim.micro_batch_tokens": "4096"}
+    assert fixes(5) == both
+    assert fixes(3.5) == both | {"optim.micro_batch_tokens": "4096"}
+    assert fixes(2) == {}
+    on = replace(off, gradient_checkpointing=True, micro_batch=(1, 4096))
+    assert fixes(5, on) == {"optim.lora.enabled": "true"}
+    assert fixes(3, replace(on, lora=default_lora())) == {}
+    assert not [w for w in measured if w.lora and not w.gradient_checkpointing]
+
+
+def test_the_engine_is_fixed_first_tensor_parallel_before_a_shorter_context(measured):
+    """Qwen3-14B's engine with one trajectory of 524288 tokens has no room on an 80 GiB card at any
+    utilization: tensor parallelism is the fix (with the utilization moved into the range that works
+    when it is outside); with a head count no size divides, the longest context with room, and the
+    micro-batch keeps its token budget at that length, measured again before training is judged."""
+    config = architecture_config("qwen3-14b")
+    cluster = ClusterShape(8, 80 * GiB, colocated=True, trainer_offload=True)
+
+    def fixes(config, utilization: float, shape: tuple[int, int] = (1, 524288)) -> dict[str, str]:
+        engine = ENGINE | {"max_model_len": 524288, "gpu_memory_utilization": utilization}
+        plan = make_plan(config, cluster, Workload(shape, engine=engine), "14b")
+        assert not plan.fits
+        return plan.fixes
+
+    assert fixes(config, 0.9) == {"engine.tensor_parallel_size": "2"}
+    assert fixes(config, 0.5) == {"engine.tensor_parallel_size": "2", "engine.gpu_memory_utilization": "0.71"}
+    config.num_attention_heads = 5
+    measured.clear()
+    assert fixes(config, 0.9, (6, 131072)) == {
+        "engine.max_model_len": "336896",
+        "engine.gpu_memory_utilization": "0.98",
+    }
+    assert [w.micro_batch for w in measured] == [(6, 131072), (2, 336896)]
+    # a 24 GiB card: the 14B's weights alone overflow it, no size divides 5 heads: no fixes at all
+    small = replace(cluster, gpu_memory=24 * GiB)
+    starved = make_plan(config, small, Workload((1, 4096), engine=ENGINE | {"max_model_len": 4096}), "14b")
+    assert not starved.fits and starved.fixes == {}
+
+
+@pytest.mark.parametrize(
+    "card_gib,offload,utilization,fixed",
+    [
+        (80, True, 0.5, None),  # in the range (0.24, 0.98): nothing to fix
+        (40, False, 0.95, "0.81"),  # above it: its top, the trainer's resident state beside the engine
+        (40, False, 0.05, "0.81"),  # below: 0.9 at most, and never above the top
+        (40, True, 0.05, "0.9"),  # below, the trainer offloaded (0.47, 0.96): 0.9
+        (29.25, True, 0.05, "0.92"),  # below a range (0.92, 0.94) above 0.9: its bottom
+    ],
+)
+def test_a_utilization_outside_its_range_is_moved_into_it(card_gib, offload, utilization, fixed):
+    """gpu_memory_utilization alone fixes an engine that has room at some utilization: the top of the
+    range when it is above it, 0.9 (or the range's edge) when below. Qwen3-8B at 4096 tokens; the last
+    row Qwen3-4B at 122880, whose range starts above 0.9. Ray's group sync: no packed buffer."""
+    arch, length = ("qwen3-4b", 122880) if card_gib < 30 else ("qwen3-8b", 4096)
+    engine = ENGINE | {"gpu_memory_utilization": utilization, "max_model_len": length}
+    cluster = ClusterShape(8, int(card_gib * GiB), True, offload, transport="group")
+    plan = make_plan(architecture_config(arch), cluster, Workload((1, 4096), engine=engine), arch)
+    assert plan.fits == (fixed is None)
+    assert plan.fixes == ({"engine.gpu_memory_utilization": fixed} if fixed else {})
+
+
+@pytest.mark.parametrize("card_gib", [7, 8.1, 8.6, 10, 20, 60])
+def test_the_largest_micro_batch_is_the_most_sequences_that_fit(card_gib):
+    """--largest micro-batch: none when one sequence does not fit, one sequence's tokens when two do not,
+    else the most sequences that fit (every count up to 255 planned to check), with its plan."""
+    cluster = ClusterShape(8, int(card_gib * GiB), colocated=False)
+    workload = Workload((4, 4096))
+    answer = _most_that_fit(cluster, workload, 255)
+    key, tokens, plan = largest(CONFIG, cluster, workload, "micro-batch", "wide")
+    assert key == "optim.micro_batch_tokens" and plan.architecture == "wide"
+    assert tokens == (answer * 4096 if answer else None)
+    assert plan.workload.micro_batch == (max(answer, 1), 4096) and plan.fits == bool(answer)
+
+
+@pytest.mark.parametrize("card_gib", [7, 8.4, 8.55, 8.7, 20])
+def test_the_largest_context_is_the_longest_multiple_of_1024_that_fits(card_gib):
+    """--largest context for SFT (max_length) at one sequence per micro-batch, up to the model's 16384:
+    the binary search's answer is the longest length that fits, every multiple of 1024 planned to check;
+    none when 1024 does not fit."""
+    cluster = ClusterShape(8, int(card_gib * GiB), colocated=False)
+    fitting = [n for n in range(1024, 16385, 1024) if _plan(cluster, Workload((1, n))).fits]
+    key, length, plan = largest(CONFIG, cluster, Workload((1, 1024)), "context", "wide")
+    assert key == "max_length" and length == max(fitting, default=None)
+    assert plan.workload.micro_batch == (1, length or 1024) and plan.fits == bool(fitting)
+
+
+def test_the_plan_commands_answer_in_one_line():
+    """`tirl plan` (and --largest) on a config: its workload planned on the architecture asked for (or
+    the config's model), the answer's line naming the key and value, or that nothing fits; an unknown
+    --largest is refused with the choices."""
+    cfg = load_config(SFTConfig, Path(tirl.__file__).parent / "configs" / "rstar2" / "sft.yaml")
+    roomy, tiny = ClusterShape(8, 80 * GiB, colocated=False), ClusterShape(8, GiB, colocated=False)
+    plan = plan_for_config(cfg, roomy, "qwen3-0.6b")
+    assert plan.architecture == "qwen3-0.6b" and plan.workload.engine is None and plan.fits
+    answer, plan = largest_for_config(cfg, roomy, "context", "qwen3-0.6b")
+    assert answer == "largest max_length that fits: 40960" and plan.workload.micro_batch[1] == 40960
+    answer, plan = largest_for_config(cfg, tiny, "micro-batch", "qwen3-0.6b")
+    assert answer == "nothing fits: not even the smallest optim.micro_batch_tokens (its plan below)"
+    assert not plan.fits
+    with pytest.raises(ValueError, match=r"--largest width: expected one of micro-batch, context, model"):
+        largest(CONFIG, roomy, Workload((1, 1024)), "width")
