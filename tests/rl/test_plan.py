@@ -467,3 +467,15 @@ def test_a_training_only_plan_names_no_engine():
         "80.0; resident between steps 12.0 GiB",
         "FITS: 43.5 GiB training peak per GPU of 80.0 GiB",
     ]
+
+
+def test_an_unknown_architecture_names_the_known_ones():
+    """A hub id that is neither a known architecture nor here (no hub access): the error lists the
+    known architectures and says what to pass."""
+    with pytest.raises(FileNotFoundError) as error:
+        architecture_config("acme/nothing-7b")
+    known = "qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b, Qwen/Qwen3-14B, Qwen/Qwen3-14B-Base"
+    assert str(error.value) == (
+        f"model acme/nothing-7b: not a local model and not a known architecture ({known}); "
+        "pass --arch with one of those or a model directory"
+    )

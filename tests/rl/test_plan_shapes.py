@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -143,7 +144,6 @@ def test_tensor_parallel_engines_split_weights_and_kv_heads(tp, weights_gib, kv_
 
 
 def _applied(workload: Workload, fixes: dict[str, str]) -> Workload:
-    from dataclasses import replace
 
     engine = dict(workload.engine)
     for key, value in fixes.items():
@@ -391,7 +391,6 @@ def test_only_in_process_vllm_engines_take_the_sync_packed_whole(wide):
 
 
 def test_training_that_fills_the_gpu_exactly_fits(wide):
-    from dataclasses import replace
 
     from tirl.rl.plan import training_fits
 
@@ -574,6 +573,9 @@ def test_training_advice_offers_only_what_would_change_it():
         "(`tirl plan --largest context` finds the longest that fits)"
     ]
     assert _judged(80, None, training_total=80, workload=lora)[0].advice == []
+    # a measurement without optimizer state (nothing trained yet in its category): the parameters alone
+    bare = replace(plan, training=TrainingMemory(40 * GiB, {"Sharded Param": 7 * GiB}, resident=7 * GiB))
+    assert "the sharded state is 7.0 GiB at 8)" in _advice(architecture_config("qwen3-14b"), bare)[0]
 
 
 def test_engine_advice_for_each_way_the_engine_misses():
@@ -583,6 +585,7 @@ def test_engine_advice_for_each_way_the_engine_misses():
     fills the card exactly (no advice)."""
     long = ENGINE | {"max_model_len": 16384}
     starved, _ = _judged(80, long | {"gpu_memory_utilization": 0.05}, {"colocated": False})
+    assert starved.engine.kv_cache == 0 and starved.engine.trajectories == 0
     assert starved.advice == [
         "an engine's KV cache (0.0 GiB) holds no trajectory of 16384 tokens: set "
         "engine.gpu_memory_utilization=0.90"

@@ -25,6 +25,7 @@ from tirl.rl.plan import (
     architecture_config,
     plan_from,
     training_fits,
+    utilization_range,
 )
 from tirl.rl.planner import default_lora, largest, largest_for_config, make_plan, plan_for_config
 
@@ -204,3 +205,21 @@ def test_the_plan_commands_answer_in_one_line():
     assert not plan.fits
     with pytest.raises(ValueError, match=r"--largest width: expected one of micro-batch, context, model"):
         largest(CONFIG, roomy, Workload((1, 1024)), "width")
+
+
+def test_the_advice_names_the_utilization_the_fix_sets():
+    """A KV cache too small where the range that works starts above 0.9 (Qwen3-4B at 122880 tokens on
+    29.25 GiB: 0.92-0.94): the advice's utilization is the fix's, inside the range; a utilization at
+    either end of the range fits."""
+    config = architecture_config("qwen3-4b")
+    cluster = ClusterShape(8, int(29.25 * GiB), True, True, transport="group")
+
+    def plan_at(utilization: float):
+        engine = ENGINE | {"gpu_memory_utilization": utilization, "max_model_len": 122880}
+        return make_plan(config, cluster, Workload((1, 4096), engine=engine), "4b")
+
+    starved = plan_at(0.05)
+    assert starved.fixes == {"engine.gpu_memory_utilization": "0.92"}
+    assert starved.advice[0].endswith(": set engine.gpu_memory_utilization=0.92")
+    assert utilization_range(config, starved) == (0.92, 0.94)
+    assert plan_at(0.92).fits and plan_at(0.94).fits and not plan_at(0.95).fits

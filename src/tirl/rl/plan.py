@@ -464,7 +464,7 @@ def _advice(config, plan: Plan) -> list[str]:
     elif u < low:
         out.append(
             f"an engine's KV cache ({_gb(engine.kv_cache)} GiB) holds no trajectory of {engine.trajectory_tokens} "
-            f"tokens: set engine.gpu_memory_utilization={min(high, 0.9):.2f}"
+            f"tokens: set engine.gpu_memory_utilization={raised_utilization(low, high):.2f}"
         )
     if plan.sync_total is not None and plan.sync_total > c.gpu_memory:
         out.append(_sync_advice(plan))
@@ -522,6 +522,12 @@ def utilization_range(config, plan: Plan, engine: dict | None = None) -> tuple[f
     beside = (plan.rollout_total or 0) - plan.engine.budget  # the trainer's share while generating
     high = min(1.0, math.floor(100 * (c.gpu_memory - beside) / c.gpu_memory) / 100)
     return low, high
+
+
+def raised_utilization(low: float, high: float) -> float:
+    """The utilization advised for a KV cache too small: 0.9 (vLLM's default), kept inside the range
+    that works, so the advice and the planner's fix agree."""
+    return min(high, max(low, 0.9))
 
 
 def _engine_options(config, plan: Plan) -> str:

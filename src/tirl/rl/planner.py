@@ -22,6 +22,7 @@ from tirl.rl.plan import (
     micro_batch_shape,
     parameter_count,
     plan_from,
+    raised_utilization,
     tensor_parallel_fix,
     training_fits,
     utilization_range,
@@ -86,7 +87,7 @@ def _engine_fix(config, plan: Plan) -> dict[str, Any] | None:
         return (
             {}
             if low <= u <= high
-            else {"gpu_memory_utilization": high if u > high else min(high, max(low, 0.9))}
+            else {"gpu_memory_utilization": high if u > high else raised_utilization(low, high)}
         )
     for key, value in (
         ("tensor_parallel_size", tensor_parallel_fix(config, plan)),
