@@ -108,6 +108,7 @@ def test_one_sequence_over_the_card_turns_on_checkpointing_then_lora(measured):
     assert fixes(5) == both
     assert fixes(3.5) == both | {"optim.micro_batch_tokens": "4096"}
     assert fixes(2) == {}
+    assert default_lora()["enabled"] is True
     on = replace(off, gradient_checkpointing=True, micro_batch=(1, 4096))
     assert fixes(5, on) == {"optim.lora.enabled": "true"}
     assert fixes(3, replace(on, lora=default_lora())) == {}
@@ -151,6 +152,7 @@ def test_the_engine_is_fixed_first_tensor_parallel_before_a_shorter_context(meas
         (40, False, 0.05, "0.81"),  # below: 0.9 at most, and never above the top
         (40, True, 0.05, "0.9"),  # below, the trainer offloaded (0.47, 0.96): 0.9
         (29.25, True, 0.05, "0.92"),  # below a range (0.92, 0.94) above 0.9: its bottom
+        (80, True, 0.99, "0.98"),  # above a range (0.24, 0.98) whose top is above 0.9: its top
     ],
 )
 def test_a_utilization_outside_its_range_is_moved_into_it(card_gib, offload, utilization, fixed):
@@ -188,6 +190,17 @@ def test_the_largest_context_is_the_longest_multiple_of_1024_that_fits(card_gib)
     key, length, plan = largest(CONFIG, cluster, Workload((1, 1024)), "context", "wide")
     assert key == "max_length" and length == max(fitting, default=None)
     assert plan.workload.micro_batch == (1, length or 1024) and plan.fits == bool(fitting)
+    assert plan.architecture == "wide"
+
+
+def test_the_largest_context_of_an_engine_moves_its_max_model_len():
+    """With an engine, --largest context searches engine.max_model_len: the engine in the answer's plan
+    has that length, as its micro-batch does."""
+    cluster = ClusterShape(8, int(8.55 * GiB), colocated=False)
+    workload = Workload((1, 1024), engine=ENGINE | {"max_model_len": 1024, "gpu_memory_utilization": 0.9})
+    key, length, plan = largest(CONFIG, cluster, workload, "context", "wide")
+    assert (key, length) == ("engine.max_model_len", 11264)  # (6 + 11264/16384) x 1.05 + 1.5 <= 8.55 GiB
+    assert plan.workload.engine["max_model_len"] == 11264 and plan.workload.micro_batch == (1, 11264)
 
 
 def test_the_plan_commands_answer_in_one_line():
@@ -200,6 +213,7 @@ def test_the_plan_commands_answer_in_one_line():
     assert plan.architecture == "qwen3-0.6b" and plan.workload.engine is None and plan.fits
     answer, plan = largest_for_config(cfg, roomy, "context", "qwen3-0.6b")
     assert answer == "largest max_length that fits: 40960" and plan.workload.micro_batch[1] == 40960
+    assert plan.architecture == "qwen3-0.6b" and cfg.model != "qwen3-0.6b"
     answer, plan = largest_for_config(cfg, tiny, "micro-batch", "qwen3-0.6b")
     assert answer == "nothing fits: not even the smallest optim.micro_batch_tokens (its plan below)"
     assert not plan.fits
