@@ -144,7 +144,6 @@ def test_tensor_parallel_engines_split_weights_and_kv_heads(tp, weights_gib, kv_
 
 
 def _applied(workload: Workload, fixes: dict[str, str]) -> Workload:
-
     engine = dict(workload.engine)
     for key, value in fixes.items():
         assert key.startswith("engine."), key
@@ -391,7 +390,6 @@ def test_only_in_process_vllm_engines_take_the_sync_packed_whole(wide):
 
 
 def test_training_that_fills_the_gpu_exactly_fits(wide):
-
     from tirl.rl.plan import training_fits
 
     training = _stand_in(10 * GiB)

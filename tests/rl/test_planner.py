@@ -157,8 +157,8 @@ def test_the_engine_is_fixed_first_tensor_parallel_before_a_shorter_context(meas
 )
 def test_a_utilization_outside_its_range_is_moved_into_it(card_gib, offload, utilization, fixed):
     """gpu_memory_utilization alone fixes an engine that has room at some utilization: the top of the
-    range when it is above it, 0.9 (or the range's edge) when below. Qwen3-8B at 4096 tokens; the last
-    row Qwen3-4B at 122880, whose range starts above 0.9. Ray's group sync: no packed buffer."""
+    range when it is above it, 0.9 (or the range's edge) when below. Qwen3-8B at 4096 tokens; the 29.25
+    GiB row Qwen3-4B at 122880, whose range starts above 0.9. Ray's group sync: no packed buffer."""
     arch, length = ("qwen3-4b", 122880) if card_gib < 30 else ("qwen3-8b", 4096)
     engine = ENGINE | {"gpu_memory_utilization": utilization, "max_model_len": length}
     cluster = ClusterShape(8, int(card_gib * GiB), True, offload, transport="group")
