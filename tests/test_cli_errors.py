@@ -45,6 +45,13 @@ def test_usage_errors_are_one_error_line(args, line):
     assert done.stdout == ""
 
 
+def test_sandbox_serve_names_a_preload_it_cannot_import():
+    """One line before any slot starts (a zygote that cannot import its preload would die with a traceback)."""
+    done = _tirl("sandbox", "serve", "--port", "0", "--preload", "math, no_such_mod")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "error: preload: no module named 'no_such_mod' on this machine"
+
+
 def test_the_console_script_names_itself_as_invoked_in_its_hints():
     """`.venv/bin/tirl train` (tirl not on PATH) points at `.venv/bin/tirl train --help`, which runs."""
     script = Path(sys.executable).parent / "tirl"

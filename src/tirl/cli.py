@@ -67,6 +67,11 @@ def sandbox_serve(
     ),
     max_sessions: int = typer.Option(64, help="Most live persistent Python sessions at once."),
     session_idle: float = typer.Option(600.0, help="Close a session idle this long, seconds."),
+    preload: str = typer.Option(
+        None,
+        help="Comma-separated modules each slot imports at start (default: numpy, sympy, scipy and the "
+        "error-path stdlib; '' = none).",
+    ),
     allow_host: list[str] = typer.Option(
         [], "--allow-host", help="Host header names accepted without a token besides loopback; repeat."
     ),
@@ -91,6 +96,7 @@ def sandbox_serve(
         "max_queue": max_queue,
         "max_sessions": max_sessions,
         "session_idle_s": session_idle,
+        "preload": None if preload is None else [m.strip() for m in preload.split(",") if m.strip()],
         "maxima": SERVER_MAXIMA.with_overrides(
             timeout_s=max_timeout, memory_mb=max_memory_mb or fitting_memory_mb(slots or os.cpu_count() or 1)
         ),

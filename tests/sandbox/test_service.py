@@ -174,3 +174,46 @@ async def test_open_executor_remote_mode(service):
     with pytest.raises(ValueError, match="needs endpoints"):
         async with open_executor(SandboxConfig(mode="remote")):
             pass
+
+
+# `graphlib` is in no default preload (nor imported by numpy, sympy or scipy); sympy is in the heavy one.
+LOADED = "import sys\nprint('graphlib' in sys.modules, 'sympy' in sys.modules)"
+LOADED_WITH_NUMPY = "import numpy, sys\nprint('graphlib' in sys.modules, 'sympy' in sys.modules)"
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "local"])
+async def test_preload_is_what_each_slot_imports(mode, service):
+    """`sandbox.preload` replaces the default (numpy, sympy, scipy) in both modes that start slots:
+    a stdlib-only preload (the demo's) starts fast and still runs code that imports numpy."""
+    from tirl.sandbox import SandboxConfig, open_executor
+
+    assert (await service.run(LOADED_WITH_NUMPY)).stdout == "False True\n"  # the default's heavy lane
+    cfg = SandboxConfig(mode=mode, slots=1, timeout_s=10.0, memory_mb=512, preload=["graphlib"])
+    async with open_executor(cfg) as executor:
+        assert (await executor.run(LOADED)).stdout == "True False\n"
+        assert (await executor.run(LOADED_WITH_NUMPY)).stdout == "True False\n"  # imported by the call
+
+
+def test_preload_names_a_missing_module_in_one_line():
+    from pydantic import ValidationError
+
+    from tirl.sandbox import Sandbox, SandboxConfig
+
+    with pytest.raises(ValidationError, match="preload: no module named 'no_such_mod', 'nope.sub' on this"):
+        SandboxConfig(preload=["math", "no_such_mod", "nope.sub"])
+    with pytest.raises(ValueError, match="no module named ''"):
+        Sandbox(slots=1, preload=[""])
+    SandboxConfig(preload=["scipy.optimize", "math"])  # a submodule of an installed package
+
+
+def test_serve_command_passes_the_preload():
+    from tirl.sandbox import SandboxConfig
+    from tirl.sandbox.service import serve_command
+
+    def preload_flag(cfg):
+        argv = serve_command(cfg, "127.0.0.1", 1)
+        return argv[argv.index("--preload") + 1] if "--preload" in argv else None
+
+    assert preload_flag(SandboxConfig()) is None  # the server's default
+    assert preload_flag(SandboxConfig(preload=["math", "csv"])) == "math,csv"
+    assert preload_flag(SandboxConfig(preload=[])) == ""  # nothing preloaded, not the default

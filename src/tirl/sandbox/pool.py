@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import os
 import socket
@@ -95,6 +96,24 @@ def _no_slot(waited_s: float) -> ExecResult:
     return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {waited_s:g} s")
 
 
+def check_preload(modules: list[str] | None) -> None:
+    """A ValueError naming each module of `modules` that is not installed (found, not imported).
+
+    A zygote that cannot import its preload dies at start with a traceback in the log; this says
+    which name to fix in one line.
+    """
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module.split(".")[0]) is not None
+        except ValueError:  # an empty or relative name
+            return False
+
+    missing = [m for m in modules or () if not installed(m)]
+    if missing:
+        raise ValueError(f"preload: no module named {', '.join(map(repr, missing))} on this machine")
+
+
 def _alive(lane: _Slot) -> bool:
     return lane.proc is not None and lane.proc.returncode is None
 
@@ -169,6 +188,7 @@ class Sandbox:
             "workdir_mb": self.limits.file_size_mb,
             **({"warmup": warmup} if warmup is not None else {}),
         }
+        check_preload(preload)
         preload = list(zygote.PRELOAD) if preload is None else preload
         light_preload = [m for m in preload if m.split(".")[0] in sys.stdlib_module_names]
         self._heavy_config = {**common, "preload": preload}

@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tirl import lifetime
 from tirl.config import SANDBOX_TOKEN_ENV, secret_or_env
 from tirl.sandbox.client import SandboxClient
 from tirl.sandbox.limits import DEFAULT_LIMITS, Limits, MiB
-from tirl.sandbox.pool import Sandbox
+from tirl.sandbox.pool import Sandbox, check_preload
 from tirl.sandbox.result import Executor
 
 SandboxToken = secret_or_env(SANDBOX_TOKEN_ENV)
@@ -57,6 +57,18 @@ class SandboxConfig(BaseModel):
     concurrency: int = Field(64, ge=1, description="calls in flight per endpoint")
     retries: int = Field(3, ge=0, description="retries of infrastructure failures")
     start_timeout_s: float = Field(180.0, gt=0, description="mode=local: wait this long for /health")
+    preload: list[str] | None = Field(
+        None,
+        description="modules each slot imports once at start (local, inprocess; null: numpy, sympy, scipy "
+        "and the error-path stdlib). Standard-library modules alone start a slot ~10x faster",
+    )
+
+    @field_validator("preload")
+    @classmethod
+    def _importable(cls, modules: list[str] | None) -> list[str] | None:
+        """A name no slot could import fails with the config, before any phase starts a sandbox."""
+        check_preload(modules)
+        return modules
 
     def limits(self) -> Limits:
         return Limits(
@@ -106,6 +118,8 @@ def serve_command(cfg: SandboxConfig, host: str, port: int) -> list[str]:
     ]
     if cfg.slots:
         argv += ["--slots", str(cfg.slots)]
+    if cfg.preload is not None:
+        argv += ["--preload", ",".join(cfg.preload)]
     return argv
 
 
@@ -169,7 +183,7 @@ async def open_executor(cfg: SandboxConfig | None = None) -> AsyncIterator[Execu
             yield client
     else:
         async with Sandbox(
-            slots=cfg.slots, limits=cfg.limits(), queue_timeout_s=cfg.queue_timeout_s
+            slots=cfg.slots, limits=cfg.limits(), queue_timeout_s=cfg.queue_timeout_s, preload=cfg.preload
         ) as sandbox:
             yield sandbox
 
