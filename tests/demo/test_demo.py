@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -45,6 +46,32 @@ def test_the_quick_preset_skips_the_drills_of_a_model_with_copy_heads():
     assert s.sft["optim"]["micro_batch_tokens"] == 1024  # speed only (docs/results.md)
     assert PRESETS[s.demo.preset]["copy_heads"]
     assert load_settings(overrides=[*quick_overrides(), "demo.drill_steps=300"]).demo.drill_steps == 300
+
+
+def test_the_traces_phase_opens_its_own_slots_and_the_demos_preload(tmp_path, monkeypatch):
+    """The traces phase runs in `demo.trace_slots` slots with train.yaml's stdlib-only preload, and its
+    traces (brute forces that time out among them) are the same as one slot's: only the wait changes."""
+    import tirl.sandbox
+    from tirl.demo.pipeline import _make_traces
+    from tirl.demo.synthetic import generate
+
+    opened = []
+    real = tirl.sandbox.open_executor
+
+    def recorded(cfg):
+        opened.append(cfg)
+        return real(cfg)
+
+    monkeypatch.setattr(tirl.sandbox, "open_executor", recorded)
+    problems = generate(6, "train", seed=3, families=["sum_big"])  # their failed attempts: half brute forces
+    made = {}
+    for slots in (1, 4):
+        settings = load_settings(overrides=[f"demo.trace_slots={slots}", "agent.tool_timeout=0.5"])
+        path = asyncio.run(_make_traces(settings, problems, tmp_path / str(slots)))
+        made[slots] = path.read_text()
+    assert [c.slots for c in opened] == [1, 4]
+    assert opened[0].preload == settings.train["sandbox"]["preload"] and "math" in opened[0].preload
+    assert made[1] == made[4] and "Timed out after 0.5 s" in made[1]
 
 
 @pytest.mark.parametrize(

@@ -199,7 +199,7 @@ def test_preload_names_a_missing_module_in_one_line():
 
     from tirl.sandbox import Sandbox, SandboxConfig
 
-    with pytest.raises(ValidationError, match="preload: no module named 'no_such_mod', 'nope.sub' on this"):
+    with pytest.raises(ValidationError, match=r"preload: no module named 'no_such_mod', 'nope\.sub' on this"):
         SandboxConfig(preload=["math", "no_such_mod", "nope.sub"])
     with pytest.raises(ValueError, match="no module named ''"):
         Sandbox(slots=1, preload=[""])

@@ -79,6 +79,9 @@ class DemoConfig(BaseModel):
     )
     min_sft_accuracy: float = Field(10.0, ge=0, le=100, description="% held-out the SFT model must solve")
     copy_drills: int = Field(0, ge=0, description="copy drills mixed into the trace SFT")
+    trace_slots: int = Field(
+        12, ge=1, description="sandbox slots making the traces (a brute force holds one until its timeout)"
+    )
     traces: TraceMix = Field(TraceMix(), description="shares of the SFT trace kinds")
 
     @field_validator("preset")
@@ -401,7 +404,10 @@ async def _make_traces(settings: DemoSettings, problems, out: Path) -> Path:
     from tirl.demo.sft_traces import copy_drills, make_traces, write_traces
     from tirl.sandbox import open_executor
 
-    async with open_executor(_sandbox_config(settings)) as executor:
+    # The traces' brute forces each hold a slot for the whole tool timeout, mostly waiting for a CPU
+    # share, so more slots than RL's overlap them (same outputs; docs/results.md, "--quick's margin").
+    sandbox = _sandbox_config(settings).model_copy(update={"slots": settings.demo.trace_slots})
+    async with open_executor(sandbox) as executor:
         traces = await make_traces(
             problems, executor, settings.agent, settings.demo.traces, settings.demo.seed
         )
