@@ -31,16 +31,17 @@ from tirl.rl.planner import default_lora, largest, largest_for_config, make_plan
 
 CONFIG = Qwen3Config(**QWEN3_14B | {"num_hidden_layers": 2, "max_position_embeddings": 16384})
 ENGINE = dict(max_model_len=4096, gpu_memory_utilization=0.5, tensor_parallel_size=1, dtype="bfloat16")
-STATE = 6 * GiB  # the sharded state of one rank
+STATE = 6 * GiB  # the sharded state of one rank of 8
 
 
 def stand_in(config, world: int, workload: Workload) -> TrainingMemory:
     """A peak convex in the sequences (b^1.5: a straight line through two measurements misses it, so the
     search must narrow its bracket), 4x the activations without checkpointing, a quarter of the state
     with LoRA."""
+    assert config.hidden_size, "the planner measures the model's config"
     b, n = workload.micro_batch
     activations = int(b**1.5 * n * 64 * 1024) * (1 if workload.gradient_checkpointing else 4)
-    state = STATE // (4 if workload.lora else 1)
+    state = STATE * 8 // world // (4 if workload.lora else 1)  # sharded over the world's ranks
     return TrainingMemory(state + activations, {"Sharded Param": state // 4, "OptState": state // 2}, state)
 
 
@@ -110,7 +111,13 @@ def test_one_sequence_over_the_card_turns_on_checkpointing_then_lora(measured):
     assert fixes(2) == {}
     assert default_lora()["enabled"] is True
     on = replace(off, gradient_checkpointing=True, micro_batch=(1, 4096))
+    measured.clear()
     assert fixes(5, on) == {"optim.lora.enabled": "true"}
+    # at one sequence: the plan's own measurement, then LoRA's, nothing measured twice
+    assert [(w.micro_batch, w.gradient_checkpointing, bool(w.lora)) for w in measured] == [
+        ((1, 4096), True, False),
+        ((1, 4096), True, True),
+    ]
     assert fixes(3, replace(on, lora=default_lora())) == {}
     assert not [w for w in measured if w.lora and not w.gradient_checkpointing]
 
@@ -129,8 +136,10 @@ def test_the_engine_is_fixed_first_tensor_parallel_before_a_shorter_context(meas
         assert not plan.fits
         return plan.fixes
 
-    assert fixes(config, 0.9) == {"engine.tensor_parallel_size": "2"}
-    assert fixes(config, 0.5) == {"engine.tensor_parallel_size": "2", "engine.gpu_memory_utilization": "0.71"}
+    tp2 = {"engine.tensor_parallel_size": "2"}
+    assert fixes(config, 0.9) == fixes(config, 0.71) == fixes(config, 0.98) == tp2  # in TP 2's (0.71, 0.98)
+    assert fixes(config, 0.5) == tp2 | {"engine.gpu_memory_utilization": "0.71"}
+    assert fixes(config, 0.99) == tp2 | {"engine.gpu_memory_utilization": "0.98"}
     config.num_attention_heads = 5
     measured.clear()
     assert fixes(config, 0.9, (6, 131072)) == {
@@ -138,10 +147,38 @@ def test_the_engine_is_fixed_first_tensor_parallel_before_a_shorter_context(meas
         "engine.gpu_memory_utilization": "0.98",
     }
     assert [w.micro_batch for w in measured] == [(6, 131072), (2, 336896)]
+    assert measured[-1].engine["max_model_len"] == 336896  # training judged beside the shorter engine
     # a 24 GiB card: the 14B's weights alone overflow it, no size divides 5 heads: no fixes at all
     small = replace(cluster, gpu_memory=24 * GiB)
     starved = make_plan(config, small, Workload((1, 4096), engine=ENGINE | {"max_model_len": 4096}), "14b")
     assert not starved.fits and starved.fixes == {}
+
+
+@pytest.mark.parametrize(
+    "utilization,engine_fix",
+    [(0.1, "0.9"), (0.26, None), (0.5, None), (0.96, None), (0.97, "0.96")],  # the range: (0.26, 0.96)
+)
+def test_engine_and_training_are_fixed_together(utilization, engine_fix):
+    """Qwen3-8B with TP 2, colocated on 40 GiB, 64 sequences per micro-batch: training's fix (the most
+    sequences that fit) comes with the engine's when its utilization is outside its range, both edges
+    of the range included, and alone when it is inside."""
+    cluster = ClusterShape(8, 40 * GiB, colocated=True, trainer_offload=True)
+    engine = ENGINE | {"gpu_memory_utilization": utilization, "tensor_parallel_size": 2}
+    plan = make_plan(architecture_config("qwen3-8b"), cluster, Workload((64, 4096), engine=engine), "8b")
+    assert utilization_range(architecture_config("qwen3-8b"), plan) == (0.26, 0.96)
+    training = {"optim.micro_batch_tokens": str(23 * 4096)}
+    assert plan.fixes == ({"engine.gpu_memory_utilization": engine_fix} if engine_fix else {}) | training
+
+
+def test_no_fix_is_offered_when_the_weight_sync_still_does_not_fit():
+    """Training's fix found, but the packed weight sync (29.7 GiB on rank 0's GPU) overflows a 24 GiB
+    card: nothing the planner sets makes the plan fit, so it offers nothing (the advice names the sync)."""
+    config = architecture_config("qwen3-8b")
+    cluster = ClusterShape(8, 24 * GiB, colocated=True, trainer_offload=True)
+    engine = ENGINE | {"gpu_memory_utilization": 0.9, "tensor_parallel_size": 2}
+    plan = make_plan(config, cluster, Workload((16, 4096), engine=engine), "8b")
+    assert not training_fits(plan) and planner._training_fix(config, plan) is not None
+    assert plan.fixes == {} and plan.advice[-1].startswith("the weight sync needs 29.7 GiB on rank 0's GPU")
 
 
 @pytest.mark.parametrize(
