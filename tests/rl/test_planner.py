@@ -204,10 +204,12 @@ def test_a_utilization_outside_its_range_is_moved_into_it(card_gib, offload, uti
     assert plan.fixes == ({"engine.gpu_memory_utilization": fixed} if fixed else {})
 
 
-@pytest.mark.parametrize("card_gib", [7, 8.1, 8.6, 10, 20, 60])
-def test_the_largest_micro_batch_is_the_most_sequences_that_fit(card_gib):
+@pytest.mark.parametrize("card_gib", [7, 8.1, 8.6, 10, 20, 60, 100])
+def test_the_largest_micro_batch_is_the_most_sequences_that_fit(card_gib, measured):
     """--largest micro-batch: none when one sequence does not fit, one sequence's tokens when two do not,
-    else the most sequences that fit (every count up to 255 planned to check), with its plan."""
+    else the most sequences that fit (every count up to 255 planned to check), with its plan, in a
+    handful of measurements (one and two sequences, then guesses from the peak's growth); the plans
+    are judged, not advised (no fixes searched: each would measure more)."""
     cluster = ClusterShape(8, int(card_gib * GiB), colocated=False)
     workload = Workload((4, 4096))
     answer = _most_that_fit(cluster, workload, 255)
@@ -215,19 +217,56 @@ def test_the_largest_micro_batch_is_the_most_sequences_that_fit(card_gib):
     assert key == "optim.micro_batch_tokens" and plan.architecture == "wide"
     assert tokens == (answer * 4096 if answer else None)
     assert plan.workload.micro_batch == (max(answer, 1), 4096) and plan.fits == bool(answer)
+    searched = [w.micro_batch[0] for w in measured]
+    assert searched[: min(answer + 1, 2)] == [1, 2][: min(answer + 1, 2)] and len(searched) <= 9, searched
+    assert plan.fixes == {}
 
 
-@pytest.mark.parametrize("card_gib", [7, 8.4, 8.55, 8.7, 20])
-def test_the_largest_context_is_the_longest_multiple_of_1024_that_fits(card_gib):
+def test_the_largest_micro_batch_stops_at_255_sequences():
+    """Short sequences on a large card: 256 sequences would fit, but the search stops below 256."""
+    cluster = ClusterShape(8, 80 * GiB, colocated=False)
+    assert _plan(cluster, Workload((256, 64))).fits
+    _, tokens, plan = largest(CONFIG, cluster, Workload((4, 64)), "micro-batch")
+    assert tokens == 255 * 64 and plan.fits and plan.architecture == "qwen3"  # no name: the model type
+
+
+@pytest.mark.parametrize("card_gib", [7, 7.9, 8.0, 8.35, 8.4, 8.55, 8.6, 8.7, 20])
+def test_the_largest_context_is_the_longest_multiple_of_1024_that_fits(card_gib, measured):
     """--largest context for SFT (max_length) at one sequence per micro-batch, up to the model's 16384:
-    the binary search's answer is the longest length that fits, every multiple of 1024 planned to check;
-    none when 1024 does not fit."""
+    the binary search's answer is the longest length that fits, every multiple of 1024 planned to check
+    (the cards put it at 1, 3, 8, 12 and 16 x 1024, where an off-by-one search goes wrong); none when
+    1024 does not fit. 1024 and then at most 4 lengths are measured, judged without advice."""
     cluster = ClusterShape(8, int(card_gib * GiB), colocated=False)
     fitting = [n for n in range(1024, 16385, 1024) if _plan(cluster, Workload((1, n))).fits]
+    measured.clear()
     key, length, plan = largest(CONFIG, cluster, Workload((1, 1024)), "context", "wide")
     assert key == "max_length" and length == max(fitting, default=None)
     assert plan.workload.micro_batch == (1, length or 1024) and plan.fits == bool(fitting)
-    assert plan.architecture == "wide"
+    assert plan.architecture == "wide" and plan.fixes == {}
+    assert len(measured) <= (5 if fitting else 1)
+
+
+@pytest.mark.parametrize("card_gib", [4, 10, 16, 24, 40, 80])
+def test_the_largest_model_is_the_largest_qwen3_that_fits(card_gib, measured):
+    """--largest model: down the Qwen3 family (largest first), the first whose whole plan fits (every
+    model planned to check: separate engines at 4096 tokens, utilization 0.9, on the card); the smallest
+    one's plan when none does. Each model is measured once and judged without advice."""
+    from tirl.rl.plan import QWEN3, parameter_count
+
+    cluster = ClusterShape(8, card_gib * GiB, colocated=False)
+    workload = Workload((1, 4096), engine=ENGINE | {"gpu_memory_utilization": 0.9})
+    by_size = sorted(QWEN3, key=lambda a: parameter_count(architecture_config(a)))
+    fitting = [a for a in by_size if _plan_of(a, cluster, workload).fits]
+    measured.clear()
+    key, arch, plan = largest(CONFIG, cluster, workload, "model")
+    assert key == "model" and arch == (fitting[-1] if fitting else None)
+    assert plan.architecture == (arch or by_size[0]) and plan.fits == bool(fitting) and plan.fixes == {}
+    assert len(measured) == len(by_size) - len(fitting) + bool(fitting)
+
+
+def _plan_of(arch: str, cluster: ClusterShape, workload: Workload):
+    config = architecture_config(arch)
+    return plan_from(config, cluster, workload, arch, stand_in(config, cluster.gpus, workload))
 
 
 def test_the_largest_context_of_an_engine_moves_its_max_model_len():
@@ -246,6 +285,7 @@ def test_the_plan_commands_answer_in_one_line():
     --largest is refused with the choices."""
     cfg = load_config(SFTConfig, Path(tirl.__file__).parent / "configs" / "rstar2" / "sft.yaml")
     roomy, tiny = ClusterShape(8, 80 * GiB, colocated=False), ClusterShape(8, GiB, colocated=False)
+    assert make_plan(CONFIG, roomy, Workload((1, 1024))).architecture == "qwen3"  # no name: the model type
     plan = plan_for_config(cfg, roomy, "qwen3-0.6b")
     assert plan.architecture == "qwen3-0.6b" and plan.workload.engine is None and plan.fits
     answer, plan = largest_for_config(cfg, roomy, "context", "qwen3-0.6b")
