@@ -1,0 +1,171 @@
+"""The training measurement (tirl.rl.memory_probe) on a model small enough to measure in a fraction of a
+second: what it must hold between steps, counted by hand from the parameters (one process and two FSDP2
+ranks, LoRA on and off), how its peak moves with the micro-batch, checkpointing and the padding mask,
+and its guards. test_plan.py and test_plan_shapes.py check the same measurement on real architectures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from tirl.rl import memory_probe
+from tirl.rl.memory_probe import measure_training, measured
+from tirl.rl.plan import Workload
+from tirl.rl.planner import default_lora
+
+CONFIG = Qwen3Config(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+FP32 = 4
+
+
+def _parameters(lora: bool = False) -> tuple[int, int, int]:
+    """(all parameters, trained ones, trained tensors) of CONFIG's model built for real, with the demo's
+    LoRA or not."""
+    model = AutoModelForCausalLM.from_config(CONFIG)
+    if lora:
+        from tirl.rl.config import LoraConfig
+        from tirl.rl.lora import apply_lora
+
+        apply_lora(model, LoraConfig(**default_lora()))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trained), len(trained)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_what_a_rank_holds_between_steps_is_its_shard_of_the_weights_and_two_moments(world):
+    """fp32 weights and AdamW's two fp32 moments, the rank's 1/world of each; the optimizer's count is the
+    whole model's; the categories are FSDP's names on both paths, the optimizer state two moments (and
+    a step count per tensor, not sharded)."""
+    total, trained, tensors = _parameters()
+    assert total == trained
+    m = measure_training(CONFIG, world, Workload((2, 64)))
+    assert m.resident == 3 * total * FP32 // world and m.trainable == total
+    assert m.by_category["OptState"] == 2 * total * FP32 // world + tensors * FP32
+    assert m.parameter_bytes == total * FP32 // world
+    assert {"Sharded Param", "Sharded Grad", "OptState"} <= set(m.by_category)
+    assert m.peak >= m.resident + m.by_category["Sharded Grad"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_with_lora_the_frozen_base_is_bf16_and_only_the_adapters_train(world):
+    """The base in bf16 (it never trains: no fp32 master copy, no moments), the adapters in fp32 with
+    their two moments; the optimizer counts the adapters alone."""
+    total, trained, tensors = _parameters(lora=True)
+    base = total - trained
+    m = measure_training(CONFIG, world, Workload((2, 64), lora=default_lora()))
+    assert 0 < trained < base and m.trainable == trained
+    assert m.resident == (base * 2 + trained * FP32 * 3) // world
+    assert m.by_category["OptState"] == 2 * trained * FP32 // world + tensors * FP32
+
+
+def test_the_peak_grows_with_the_micro_batch_and_falls_with_checkpointing():
+    one = measure_training(CONFIG, 1, Workload((1, 256)))
+    two = measure_training(CONFIG, 1, Workload((2, 256)))
+    longer = measure_training(CONFIG, 1, Workload((1, 512)))
+    unchecked = measure_training(CONFIG, 1, Workload((2, 256), gradient_checkpointing=False))
+    assert one.peak < two.peak < unchecked.peak and one.peak < longer.peak
+    assert one.resident == two.resident == longer.resident == unchecked.resident
+
+
+def test_the_padding_masks_bias_is_kept_for_backward(monkeypatch):
+    """The planned attention keeps a [B, 1, T, T] bias in the compute dtype until backward (the GPU's
+    memory-efficient kernel does): without it (and without checkpointing, which frees it) the peak falls
+    by exactly the two layers' fp32 biases."""
+    workload = Workload((1, 1024), bf16=False, gradient_checkpointing=False)
+    kept = measure_training(CONFIG, 1, workload)
+
+    class Dropped(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, bias):
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    monkeypatch.setattr(memory_probe, "_KeepForBackward", Dropped)
+    dropped = measure_training(CONFIG, 1, workload)
+    assert kept.peak - dropped.peak == 2 * 1024 * 1024 * FP32
+
+
+def test_measured_measures_each_setting_once():
+    first = measured(CONFIG, 1, Workload((1, 64)))
+    assert measured(CONFIG, 1, Workload((1, 64))) is first
+    assert measured(CONFIG, 2, Workload((1, 64))) is not first
+    assert measured(CONFIG, 1, Workload((1, 128))) is not first
+    wider = Qwen3Config(**(CONFIG.to_dict() | {"intermediate_size": 256}))
+    assert measured(wider, 1, Workload((1, 64))).resident > first.resident
+
+
+def test_a_world_without_gpus_or_inside_a_process_group_is_refused():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    with pytest.raises(ValueError, match="a plan needs at least one GPU, got 0"):
+        measure_training(CONFIG, 0, Workload((1, 64)))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(RuntimeError, match="needs a process without a process group"):
+            measure_training(CONFIG, 2, Workload((1, 64)))
+    finally:
+        dist.destroy_process_group()
+    assert measure_training(CONFIG, 2, Workload((1, 64))).trainable  # and the group is gone after
+
+
+def test_categories_and_local_bytes():
+    from enum import Enum
+
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: F401 (DTensor needs it loaded)
+
+    class Key(Enum):
+        PARAM = "Parameter"
+        GRAD = "Gradient"
+        OPT = "Optstate"
+        ACT = "Activation"
+
+    assert [memory_probe._category(k) for k in Key] == [
+        "Sharded Param",
+        "Sharded Grad",
+        "OptState",
+        "Activation",
+    ]
+    assert memory_probe._category("Sharded Param") == "Sharded Param"
+    assert memory_probe._local_bytes(torch.zeros(3, 5, dtype=torch.bfloat16)) == 30
+
+    class Sharded:  # a DTensor's shape: its local shard is what the rank holds
+        def to_local(self):
+            return torch.zeros(2, 5)
+
+    assert memory_probe._local_bytes(Sharded()) == 40
+
+
+def test_the_steady_state_step_runs_with_the_moments_already_there():
+    """The measured step is a later one: AdamW's moments exist before it, the gradients are gone after."""
+    model = torch.nn.Linear(4, 3)
+    optimizer, trainable = memory_probe._optimizer(model)
+    assert trainable == list(model.parameters())
+    assert all(set(optimizer.state[p]) >= {"exp_avg", "exp_avg_sq"} for p in trainable)
+    assert all(p.grad is None for p in trainable) and optimizer.defaults["foreach"] is True
+    model.weight.requires_grad_(False)
+    assert memory_probe._optimizer(model)[1] == [model.bias]
+
+
+def test_a_fake_model_keeps_tied_parameters_one_object():
+    tied = Qwen3Config(**(CONFIG.to_dict() | {"tie_word_embeddings": True}))
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        model = memory_probe._fake_model(tied)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in AutoModelForCausalLM.from_config(tied).parameters()
+    )
