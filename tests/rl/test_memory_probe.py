@@ -13,18 +13,10 @@ from tirl.rl import memory_probe
 from tirl.rl.memory_probe import measure_training, measured
 from tirl.rl.plan import Workload
 from tirl.rl.planner import default_lora
+from tirl.tiny_model import PRESETS
 
-CONFIG = Qwen3Config(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-)
+# tirl's tiny model at 2 layers, its head untied (the tied case: test_a_fake_model_keeps_tied_parameters_one_object)
+CONFIG = Qwen3Config(**PRESETS["tiny"] | {"num_hidden_layers": 2, "tie_word_embeddings": False})
 FP32 = 4
 
 
@@ -103,7 +95,7 @@ def test_measured_measures_each_setting_once():
     assert measured(CONFIG, 1, Workload((1, 64))) is first
     assert measured(CONFIG, 2, Workload((1, 64))) is not first
     assert measured(CONFIG, 1, Workload((1, 128))) is not first
-    wider = Qwen3Config(**(CONFIG.to_dict() | {"intermediate_size": 256}))
+    wider = Qwen3Config(**(CONFIG.to_dict() | {"intermediate_size": 2 * CONFIG.intermediate_size}))
     assert measured(wider, 1, Workload((1, 64))).resident > first.resident
 
 
