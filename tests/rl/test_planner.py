@@ -47,11 +47,13 @@ def stand_in(config, world: int, workload: Workload) -> TrainingMemory:
 
 @pytest.fixture(autouse=True)
 def measured(monkeypatch) -> list[Workload]:
-    """The stand-in in the planner's place; the workloads it measured, in order."""
+    """The stand-in in the planner's place; the workloads it measured, in order. A search that measures
+    hundreds of candidates does not end (a broken bisection): it fails here instead of hanging."""
     calls: list[Workload] = []
 
     def measure(config, world, workload):
         calls.append(workload)
+        assert len(calls) <= 300, f"a search measured {len(calls)} candidates: it does not end"
         return stand_in(config, world, workload)
 
     monkeypatch.setattr(planner, "measured", measure)
