@@ -69,12 +69,18 @@ def test_the_peak_grows_with_the_micro_batch_and_falls_with_checkpointing():
     assert one.resident == two.resident == longer.resident == unchecked.resident
 
 
-def test_the_padding_masks_bias_is_kept_for_backward(monkeypatch):
-    """The planned attention keeps a [B, 1, T, T] bias in the compute dtype until backward (the GPU's
+@pytest.mark.parametrize(
+    ("world", "bf16", "element_bytes"),
+    # one process computes under autocast with fp32 weights: Qwen3's query norm returns fp32; FSDP's
+    # bf16 mixed precision gives a bf16 query, so a bf16 bias
+    [(1, False, 4), (1, True, 4), (2, False, 4), (2, True, 2)],
+)
+def test_the_padding_masks_bias_is_kept_for_backward(monkeypatch, world, bf16, element_bytes):
+    """The planned attention keeps a [B, 1, T, T] bias in the query's dtype until backward (the GPU's
     memory-efficient kernel does): without it (and without checkpointing, which frees it) the peak falls
-    by exactly the two layers' fp32 biases."""
-    workload = Workload((1, 1024), bf16=False, gradient_checkpointing=False)
-    kept = measure_training(CONFIG, 1, workload)
+    by exactly the two layers' biases."""
+    workload = Workload((1, 1024), bf16=bf16, gradient_checkpointing=False)
+    kept = measure_training(CONFIG, world, workload)
 
     class Dropped(torch.autograd.Function):
         @staticmethod
@@ -86,8 +92,16 @@ def test_the_padding_masks_bias_is_kept_for_backward(monkeypatch):
             return grad, None
 
     monkeypatch.setattr(memory_probe, "_KeepForBackward", Dropped)
-    dropped = measure_training(CONFIG, 1, workload)
-    assert kept.peak - dropped.peak == 2 * 1024 * 1024 * FP32
+    dropped = measure_training(CONFIG, world, workload)
+    assert kept.peak - dropped.peak == 2 * 1024 * 1024 * element_bytes
+
+
+def test_fsdp_gathers_bf16_parameters_under_mixed_precision():
+    """On two ranks the gathered (unsharded) parameters are the compute dtype's: bf16 halves them."""
+    bf16 = measure_training(CONFIG, 2, Workload((2, 256)))
+    fp32 = measure_training(CONFIG, 2, Workload((2, 256), bf16=False))
+    assert 2 * bf16.by_category["Unsharded Param"] == fp32.by_category["Unsharded Param"] > 0
+    assert bf16.resident == fp32.resident and bf16.peak < fp32.peak
 
 
 def test_measured_measures_each_setting_once():
