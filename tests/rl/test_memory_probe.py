@@ -5,6 +5,8 @@ and its guards. test_plan.py and test_plan_shapes.py check the same measurement 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
@@ -44,8 +46,24 @@ def test_what_a_rank_holds_between_steps_is_its_shard_of_the_weights_and_two_mom
     assert m.resident == 3 * total * FP32 // world and m.trainable == total
     assert m.by_category["OptState"] == 2 * total * FP32 // world + tensors * FP32
     assert m.parameter_bytes == total * FP32 // world
-    assert {"Sharded Param", "Sharded Grad", "OptState"} <= set(m.by_category)
+    assert {"Sharded Param", "Sharded Grad", "OptState"} <= set(
+        m.by_category
+    ) and "Total" not in m.by_category
     assert m.peak >= m.resident + m.by_category["Sharded Grad"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_0_holds_the_larger_shard_when_rows_do_not_divide(world):
+    """FSDP2 gives rank 0 ceil(rows / world) of each parameter and the last rank the rest (the plan is
+    rank 0's): a vocabulary of 1021 rows (a prime) splits unevenly over 2 and 3 ranks."""
+    config = Qwen3Config(**(CONFIG.to_dict() | {"vocab_size": 1021}))
+    model = AutoModelForCausalLM.from_config(config)
+    rows = sum(
+        math.ceil(p.shape[0] / world) * (p[0].numel() if p.dim() > 1 else 1) for p in model.parameters()
+    )
+    assert rows * world > sum(p.numel() for p in model.parameters())  # rank 0 holds more than its share
+    m = measure_training(config, world, Workload((1, 64)))
+    assert m.parameter_bytes == rows * FP32 and m.resident == 3 * rows * FP32
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -65,8 +83,24 @@ def test_the_peak_grows_with_the_micro_batch_and_falls_with_checkpointing():
     two = measure_training(CONFIG, 1, Workload((2, 256)))
     longer = measure_training(CONFIG, 1, Workload((1, 512)))
     unchecked = measure_training(CONFIG, 1, Workload((2, 256), gradient_checkpointing=False))
+    fp32 = measure_training(CONFIG, 1, Workload((2, 256), bf16=False))
     assert one.peak < two.peak < unchecked.peak and one.peak < longer.peak
-    assert one.resident == two.resident == longer.resident == unchecked.resident
+    assert one.resident == two.resident == longer.resident == unchecked.resident == fp32.resident
+    assert two.peak < fp32.peak  # bf16 autocast's activations are half fp32's
+
+
+def test_kv_heads_are_repeated_before_the_kernel(monkeypatch):
+    """As transformers does before SDPA on the GPU (GQA: 4 query heads, 2 KV heads), the repeated K and V
+    are kept for backward: without the repeat the peak falls by exactly the two extra heads of K and V
+    in both layers (no checkpointing, fp32)."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    workload = Workload((1, 1024), bf16=False, gradient_checkpointing=False)
+    repeated = measure_training(CONFIG, 1, workload)
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda x, groups: x)
+    unrepeated = measure_training(CONFIG, 1, workload)
+    extra = CONFIG.num_attention_heads - CONFIG.num_key_value_heads
+    assert repeated.peak - unrepeated.peak == 2 * 2 * extra * 1024 * CONFIG.head_dim * FP32
 
 
 @pytest.mark.parametrize(
@@ -121,7 +155,7 @@ def test_a_world_without_gpus_or_inside_a_process_group_is_refused():
         measure_training(CONFIG, 0, Workload((1, 64)))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        with pytest.raises(RuntimeError, match="needs a process without a process group"):
+        with pytest.raises(RuntimeError, match=r"^measure_training needs a process without a process group"):
             measure_training(CONFIG, 2, Workload((1, 64)))
     finally:
         dist.destroy_process_group()
