@@ -138,6 +138,26 @@ def test_fsdp_gathers_bf16_parameters_under_mixed_precision():
     assert bf16.resident == fp32.resident and bf16.peak < fp32.peak
 
 
+def test_fp32_ranks_compute_in_fp32_as_one_process_does():
+    """FSDP's ranks run without autocast (bf16 comes from mixed precision): in fp32, two ranks hold the
+    activations one fp32 process holds for the same micro-batch (no checkpointing)."""
+    workload = Workload((2, 256), bf16=False, gradient_checkpointing=False)
+    one, two = measure_training(CONFIG, 1, workload), measure_training(CONFIG, 2, workload)
+    assert one.by_category["Activation"] == two.by_category["Activation"] > 0
+
+
+def test_two_ranks_track_the_token_ids_and_keep_fsdps_view_warning_quiet():
+    """The token head's outputs are views FSDP2 warns about (nothing modifies them in place): a plan
+    prints none of those warnings. The micro-batch's int64 token ids are tracked as the inputs."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        m = measure_training(CONFIG, 2, Workload((2, 256)))
+    assert not [w for w in seen if "returned a view tensor" in str(w.message)]
+    assert m.by_category["Inputs"] == 2 * 256 * 8
+
+
 def test_measured_measures_each_setting_once():
     first = measured(CONFIG, 1, Workload((1, 64)))
     assert measured(CONFIG, 1, Workload((1, 64))) is first
