@@ -70,7 +70,7 @@ def sandbox_serve(
     preload: str = typer.Option(
         None,
         help="Comma-separated modules each slot imports at start (default: numpy, sympy, scipy and the "
-        "error-path stdlib; '' = none).",
+        "error-path stdlib; 'stdlib' = that list's standard-library part; '' = none).",
     ),
     allow_host: list[str] = typer.Option(
         [], "--allow-host", help="Host header names accepted without a token besides loopback; repeat."
@@ -96,7 +96,9 @@ def sandbox_serve(
         "max_queue": max_queue,
         "max_sessions": max_sessions,
         "session_idle_s": session_idle,
-        "preload": None if preload is None else [m.strip() for m in preload.split(",") if m.strip()],
+        "preload": preload
+        if preload in (None, "stdlib")
+        else [m.strip() for m in preload.split(",") if m.strip()],
         "maxima": SERVER_MAXIMA.with_overrides(
             timeout_s=max_timeout, memory_mb=max_memory_mb or fitting_memory_mb(slots or os.cpu_count() or 1)
         ),

@@ -70,7 +70,7 @@ def test_the_traces_phase_opens_its_own_slots_and_the_demos_preload(tmp_path, mo
         path = asyncio.run(_make_traces(settings, problems, tmp_path / str(slots)))
         made[slots] = path.read_text()
     assert [c.slots for c in opened] == [1, 4]
-    assert opened[0].preload == settings.train["sandbox"]["preload"] and "math" in opened[0].preload
+    assert opened[0].preload == settings.train["sandbox"]["preload"] == "stdlib"
     assert made[1] == made[4] and "Timed out after 0.5 s" in made[1]
 
 

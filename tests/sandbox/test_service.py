@@ -176,22 +176,39 @@ async def test_open_executor_remote_mode(service):
             pass
 
 
-# `graphlib` is in no default preload (nor imported by numpy, sympy or scipy); sympy is in the heavy one.
-LOADED = "import sys\nprint('graphlib' in sys.modules, 'sympy' in sys.modules)"
-LOADED_WITH_NUMPY = "import numpy, sys\nprint('graphlib' in sys.modules, 'sympy' in sys.modules)"
+# `graphlib` is in no default preload (nor imported by numpy, sympy or scipy); sympy is in the heavy one;
+# `statistics` is in the default's stdlib part, which no zygote imports on its own.
+LOADED = "import sys\nprint({probe!r} in sys.modules, 'sympy' in sys.modules)"
+LOADED_WITH_NUMPY = "import numpy\n" + LOADED
 
 
+@pytest.mark.parametrize(("preload", "probe"), [(["graphlib"], "graphlib"), ("stdlib", "statistics")])
 @pytest.mark.parametrize("mode", ["inprocess", "local"])
-async def test_preload_is_what_each_slot_imports(mode, service):
-    """`sandbox.preload` replaces the default (numpy, sympy, scipy) in both modes that start slots:
-    a stdlib-only preload (the demo's) starts fast and still runs code that imports numpy."""
+async def test_preload_is_what_each_slot_imports(mode, preload, probe, service):
+    """`sandbox.preload` replaces the default (numpy, sympy, scipy) in both modes that start slots, as a
+    list or as "stdlib" (the demo's): it starts fast and still runs code that imports numpy."""
     from tirl.sandbox import SandboxConfig, open_executor
 
-    assert (await service.run(LOADED_WITH_NUMPY)).stdout == "False True\n"  # the default's heavy lane
-    cfg = SandboxConfig(mode=mode, slots=1, timeout_s=10.0, memory_mb=512, preload=["graphlib"])
+    assert (await service.run(LOADED_WITH_NUMPY.format(probe="graphlib"))).stdout == "False True\n"  # heavy
+    cfg = SandboxConfig(mode=mode, slots=1, timeout_s=10.0, memory_mb=512, preload=preload)
     async with open_executor(cfg) as executor:
-        assert (await executor.run(LOADED)).stdout == "True False\n"
-        assert (await executor.run(LOADED_WITH_NUMPY)).stdout == "True False\n"  # imported by the call
+        assert (await executor.run(LOADED.format(probe=probe))).stdout == "True False\n"
+        assert (await executor.run(LOADED_WITH_NUMPY.format(probe=probe))).stdout == "True False\n"
+
+
+async def test_stdlib_preload_is_the_defaults_standard_library_part():
+    """One list to maintain (zygote.PRELOAD): "stdlib" keeps its standard-library modules, in its order,
+    and a pool preloading only those needs no light twin."""
+    from tirl.sandbox import Sandbox, zygote
+    from tirl.sandbox.pool import resolve_preload
+
+    stdlib = resolve_preload("stdlib")
+    assert stdlib == [m for m in zygote.PRELOAD if m.split(".")[0] not in ("numpy", "sympy", "scipy")]
+    assert resolve_preload(None) == list(zygote.PRELOAD)
+    async with Sandbox(slots=1, preload="stdlib", warmup=[]) as sb:
+        assert sb._heavy_config["preload"] == stdlib and sb._light_config is None
+    with pytest.raises(ValueError, match="'numpy' is neither a list of modules nor 'stdlib'"):
+        resolve_preload("numpy")
 
 
 def test_preload_names_a_missing_module_in_one_line():
@@ -217,3 +234,4 @@ def test_serve_command_passes_the_preload():
     assert preload_flag(SandboxConfig()) is None  # the server's default
     assert preload_flag(SandboxConfig(preload=["math", "csv"])) == "math,csv"
     assert preload_flag(SandboxConfig(preload=[])) == ""  # nothing preloaded, not the default
+    assert preload_flag(SandboxConfig(preload="stdlib")) == "stdlib"

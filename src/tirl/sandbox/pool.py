@@ -96,12 +96,17 @@ def _no_slot(waited_s: float) -> ExecResult:
     return ExecResult(Status.QUEUE_TIMEOUT, message=f"no free slot within {waited_s:g} s")
 
 
-def check_preload(modules: list[str] | None) -> None:
-    """A ValueError naming each module of `modules` that is not installed (found, not imported).
+STDLIB = "stdlib"  # a preload value: the standard-library part of zygote.PRELOAD
 
-    A zygote that cannot import its preload dies at start with a traceback in the log; this says
-    which name to fix in one line.
-    """
+
+def stdlib_part(modules: list[str] | tuple[str, ...]) -> list[str]:
+    return [m for m in modules if m.split(".")[0] in sys.stdlib_module_names]
+
+
+def resolve_preload(preload: list[str] | str | None) -> list[str]:
+    """The modules each slot imports at start: None is zygote.PRELOAD, "stdlib" its standard-library
+    part, a list itself. A name that is not installed is a ValueError naming it (found, not imported):
+    a zygote that cannot import its preload would die at start with a traceback in the log."""
 
     def installed(module: str) -> bool:
         try:
@@ -109,9 +114,16 @@ def check_preload(modules: list[str] | None) -> None:
         except ValueError:  # an empty or relative name
             return False
 
-    missing = [m for m in modules or () if not installed(m)]
+    if preload is None:
+        return list(zygote.PRELOAD)
+    if isinstance(preload, str):
+        if preload != STDLIB:
+            raise ValueError(f"preload: {preload!r} is neither a list of modules nor {STDLIB!r}")
+        return stdlib_part(zygote.PRELOAD)
+    missing = [m for m in preload if not installed(m)]
     if missing:
         raise ValueError(f"preload: no module named {', '.join(map(repr, missing))} on this machine")
+    return list(preload)
 
 
 def _alive(lane: _Slot) -> bool:
@@ -165,7 +177,7 @@ class Sandbox:
         isolate: bool = True,
         seccomp: bool = True,
         uid_base: int | None = None,
-        preload: list[str] | None = None,
+        preload: list[str] | str | None = None,
         warmup: list[str] | None = None,
         max_calls: int = 5000,
         max_growth_mb: int = 200,
@@ -188,9 +200,8 @@ class Sandbox:
             "workdir_mb": self.limits.file_size_mb,
             **({"warmup": warmup} if warmup is not None else {}),
         }
-        check_preload(preload)
-        preload = list(zygote.PRELOAD) if preload is None else preload
-        light_preload = [m for m in preload if m.split(".")[0] in sys.stdlib_module_names]
+        preload = resolve_preload(preload)
+        light_preload = stdlib_part(preload)
         self._heavy_config = {**common, "preload": preload}
         # A light twin per slot only pays off when the preload holds more than the stdlib.
         self._light_config = {**common, "preload": light_preload} if light_preload != preload else None
