@@ -216,6 +216,22 @@ def test_the_context_fix_is_the_longest_multiple_of_1024_with_room(wide, card_gi
         assert length % 1024 == 0 and 1024 <= length < 131072 and room(length) and not room(length + 1024)
 
 
+def test_the_context_fix_of_an_engine_one_token_too_long_is_the_multiple_below():
+    """A separate engine of 52225 tokens on a GPU with room for exactly 52224 (its weights, reserve and
+    52224 tokens of KV cache, to the byte): the advised max_model_len is 52224, the first multiple of
+    1024 below the engine's own, not a step further down."""
+    config = architecture_config("qwen3-14b")
+    engine = ENGINE | {"max_model_len": 52225, "gpu_memory_utilization": 0.9}
+    e = engine_memory(config, QWEN3_14B_PARAMETERS, GiB, engine | {"gpu_memory_utilization": 1.0})
+    exact = e.weights + e.reserve + e.kv_per_token * 52224
+    plan, _ = _judged((exact + 0.5) / GiB, engine, {"colocated": False})
+    assert plan.cluster.gpu_memory == exact
+    assert utilization_range(config, plan, engine | {"max_model_len": 52224}) == (1.0, 1.0)
+    assert utilization_range(config, plan) == (1.01, 1.0)  # one token more than the GPU holds
+    assert max_model_len_fix(config, plan) == 52224
+    assert plan.advice[-1].endswith("or set engine.max_model_len=52224")
+
+
 def _plan_cli(args: list[str]):
     from typer.testing import CliRunner
 
