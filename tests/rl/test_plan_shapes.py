@@ -382,12 +382,14 @@ def test_a_plan_names_its_model_and_takes_the_allocators_slack(wide, monkeypatch
     )
 
 
-@pytest.mark.parametrize("gpus,in_file", [(2, False), (4, True)])
-def test_a_tensor_parallel_engine_on_all_gpus_needs_no_shm_file(wide, gpus, in_file):
+@pytest.mark.parametrize("tp,gpus,in_file", [(2, 2, False), (2, 4, True), (None, 1, False), (None, 2, True)])
+def test_a_tensor_parallel_engine_on_all_gpus_needs_no_shm_file(wide, tp, gpus, in_file):
     """Colocated TP-2 engines: on 2 GPUs the one engine spans rank 0's GPU and reads the packed sync
-    there (CUDA IPC); on 4 the second engine is on GPUs without the buffer and reads /dev/shm."""
+    there (CUDA IPC); on 4 the second engine is on GPUs without the buffer and reads /dev/shm. An engine
+    dict without tensor_parallel_size is one GPU: on 2 GPUs the second engine reads the file."""
     training = _stand_in()
-    workload = _workload(engine=ENGINE | {"tensor_parallel_size": 2})
+    engine = {k: v for k, v in ENGINE.items() if k != "tensor_parallel_size"}
+    workload = _workload(engine=engine if tp is None else engine | {"tensor_parallel_size": tp})
     plan = plan_from(wide, ClusterShape(gpus, 80 * GiB, True, True), workload, "wide", training)
     assert plan.buffer_on_gpu and plan.buffer_in_file == in_file
 
