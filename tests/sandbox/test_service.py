@@ -200,8 +200,14 @@ async def test_stdlib_preload_is_the_defaults_standard_library_part():
     """One list to maintain (zygote.PRELOAD): "stdlib" keeps its standard-library modules, in its order,
     and a pool preloading only those needs no light twin."""
     from tirl.sandbox import Sandbox, zygote
-    from tirl.sandbox.pool import resolve_preload
+    from tirl.sandbox.pool import resolve_preload, stdlib_part
 
+    # a submodule is judged by its package: the light twin loads os.path, never scipy.linalg
+    assert stdlib_part(["json", "os.path", "numpy", "scipy.linalg", "xml.etree"]) == [
+        "json",
+        "os.path",
+        "xml.etree",
+    ]
     stdlib = resolve_preload("stdlib")
     assert stdlib == [m for m in zygote.PRELOAD if m.split(".")[0] not in ("numpy", "sympy", "scipy")]
     assert resolve_preload(None) == list(zygote.PRELOAD)
