@@ -80,6 +80,7 @@ def sandbox_serve(
     import os
 
     from tirl.sandbox.limits import SERVER_MAXIMA, Limits, fitting_memory_mb
+    from tirl.sandbox.pool import STDLIB
     from tirl.sandbox.server import serve
 
     limits = Limits(
@@ -97,7 +98,7 @@ def sandbox_serve(
         "max_sessions": max_sessions,
         "session_idle_s": session_idle,
         "preload": preload
-        if preload in (None, "stdlib")
+        if preload in (None, STDLIB)
         else [m.strip() for m in preload.split(",") if m.strip()],
         "maxima": SERVER_MAXIMA.with_overrides(
             timeout_s=max_timeout, memory_mb=max_memory_mb or fitting_memory_mb(slots or os.cpu_count() or 1)
