@@ -138,13 +138,12 @@ def measure_training(config, world: int, workload: Workload) -> TrainingMemory:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError(
             "measure_training needs a process without a process group (run it in a subprocess)"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", rank=0, world_size=world)  # the fake backend needs no store
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside fake mode: the mesh is real bookkeeping
         with FakeTensorMode(), warnings.catch_warnings():
@@ -238,18 +237,17 @@ def _update(model, optimizer, trainable, ids: torch.Tensor, info, autocast: bool
             logprobs, _ = token_logprobs(model, ids, attn)
         (logprobs.sum() * info.world_size).backward()
     clip_grad_norm(trainable, 1.0, info)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.step()  # the trainer's zero_grad after it only frees memory: it cannot raise the peak
 
 
 def _memory(tracker, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> TrainingMemory:
-    peak = tracker.get_tracker_snapshot("peak")
-    stats = next(iter(peak.values())) if peak else {}
+    # the tracker's one device (FSDPMemTracker and MemTracker both key the snapshot by device)
+    stats = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_category = {_category(k): int(v) for k, v in stats.items() if k != "Total"}
     # between steps: every parameter's shard, and AdamW's two moments of the trained ones
     resident = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(p) * 2 for p in trainable)
     count = sum(p.numel() for p in trainable)  # a DTensor counts its whole tensor
-    return TrainingMemory(int(stats.get("Total", 0)), by_category, resident, count)
+    return TrainingMemory(int(stats["Total"]), by_category, resident, count)
 
 
 # One process's tracker names its categories as FSDP's does for the same memory.
