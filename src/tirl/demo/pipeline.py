@@ -56,7 +56,7 @@ class DemoConfig(BaseModel):
     sft_problems: int = Field(2800, ge=1, description="synthetic problems turned into SFT traces")
     rl_problems: int = Field(2000, ge=1, description="other synthetic problems for RL")
     heldout_problems: int = Field(96, ge=1, description="held-out problems, evaluated before and after RL")
-    rl_steps: int = Field(30, ge=1, description="GRPO-RoC steps")
+    rl_steps: int = Field(50, ge=1, description="GRPO-RoC steps")
     drill_steps: int = Field(
         300, ge=0, description="the cap of copy-drill steps before the traces (drills.yaml; 0: none)"
     )
