@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from tirl.rl import memory_probe
 from tirl.rl.memory_probe import measure_training, measured
-from tirl.rl.plan import Workload
+from tirl.rl.plan import Workload, meta_model
 from tirl.rl.planner import default_lora
 from tirl.tiny_model import PRESETS
 
@@ -222,8 +222,9 @@ def test_the_steady_state_step_runs_with_the_moments_already_there():
 
 def test_a_fake_model_keeps_tied_parameters_one_object():
     tied = Qwen3Config(**(CONFIG.to_dict() | {"tie_word_embeddings": True}))
+    meta = meta_model(tied)
     with torch._subclasses.fake_tensor.FakeTensorMode():
-        model = memory_probe._fake_model(tied)
+        model = memory_probe._fake_model(meta)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == sum(

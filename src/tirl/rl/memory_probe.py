@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from tirl.rl.plan import MICRO_BATCHES, TrainingMemory, Workload, meta_model
+from tirl.rl.plan import MICRO_BATCHES, TrainingMemory, Workload
 
 # The attention implementation the measurement runs under (registered by register_planned_attention).
 PLANNED_ATTENTION = "tirl_plan"
@@ -83,11 +83,9 @@ def _workload_meta_model(config, workload: Workload) -> torch.nn.Module:
     return model
 
 
-def _fake_model(config, meta: torch.nn.Module | None = None) -> torch.nn.Module:
-    """The model with storage-less parameters on CPU (call under FakeTensorMode). Built on meta
-    (or `meta`, built beforehand) and then given fake parameters, which skips the random initialization
-    (seconds at 14B)."""
-    model = meta if meta is not None else meta_model(config)
+def _fake_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The meta model with storage-less parameters on CPU (call under FakeTensorMode): built on meta
+    and then given fake parameters, which skips the random initialization (seconds at 14B)."""
     made: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one object
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -134,7 +132,7 @@ def measure_training(config, world: int, workload: Workload) -> TrainingMemory:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode():
-            return _measure_one_process(config, workload, meta)
+            return _measure_one_process(workload, meta)
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -150,16 +148,16 @@ def measure_training(config, world: int, workload: Workload) -> TrainingMemory:
             # The token head's (log-prob, entropy) outputs are views; FSDP2 warns that an in-place op
             # on one would skip its hook. Nothing modifies them in place (the trainer neither).
             warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
-            return _measure_sharded(config, mesh, workload, meta)
+            return _measure_sharded(mesh, workload, meta)
     finally:
         dist.destroy_process_group()
 
 
-def _prepared(config, workload: Workload, meta: torch.nn.Module | None) -> torch.nn.Module:
+def _prepared(workload: Workload, meta: torch.nn.Module) -> torch.nn.Module:
     """The fake model as tirl.rl.policy._prepare leaves it (checkpointing, no KV cache, the token head)."""
     from tirl.rl.policy import enable_gradient_checkpointing, install_token_head
 
-    model = _fake_model(config, meta)
+    model = _fake_model(meta)
     model.config.use_cache = False
     if workload.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -167,12 +165,12 @@ def _prepared(config, workload: Workload, meta: torch.nn.Module | None) -> torch
     return model
 
 
-def _measure_sharded(config, mesh, workload: Workload, meta: torch.nn.Module | None = None) -> TrainingMemory:
+def _measure_sharded(mesh, workload: Workload, meta: torch.nn.Module) -> TrainingMemory:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from tirl.distributed.groups import DistInfo, shard_model
 
-    model = _prepared(config, workload, meta)
+    model = _prepared(workload, meta)
     info = DistInfo(0, mesh.size(), torch.device("cpu"))
     shard_model(model, info, workload.bf16, mesh=mesh)
     optimizer, trainable = _optimizer(model)
@@ -184,12 +182,12 @@ def _measure_sharded(config, mesh, workload: Workload, meta: torch.nn.Module | N
     return _memory(tracker, model, trainable)
 
 
-def _measure_one_process(config, workload: Workload, meta: torch.nn.Module | None = None) -> TrainingMemory:
+def _measure_one_process(workload: Workload, meta: torch.nn.Module) -> TrainingMemory:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from tirl.distributed.groups import DistInfo
 
-    model = _prepared(config, workload, meta)
+    model = _prepared(workload, meta)
     optimizer, trainable = _optimizer(model)
     ids = torch.zeros(workload.micro_batch, dtype=torch.long)
     tracker = MemTracker()
