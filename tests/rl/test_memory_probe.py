@@ -158,6 +158,16 @@ def test_two_ranks_track_the_token_ids_and_keep_fsdps_view_warning_quiet():
     assert m.by_category["Inputs"] == 2 * 256 * 8
 
 
+def test_one_process_tracks_the_frozen_base_and_the_token_ids():
+    """One process's tracker is told what the optimizer does not hold: a LoRA model's frozen bf16 base
+    (among the parameters, beside the fp32 adapters) and the micro-batch's int64 token ids (MemTracker
+    files them under "Other": it has no inputs category)."""
+    total, trained, _ = _parameters(lora=True)
+    m = measure_training(CONFIG, 1, Workload((2, 64), lora=default_lora()))
+    assert m.by_category["Sharded Param"] == (total - trained) * 2 + trained * FP32
+    assert m.by_category["Other"] == 2 * 64 * 8
+
+
 def test_measured_measures_each_setting_once():
     first = measured(CONFIG, 1, Workload((1, 64)))
     assert measured(CONFIG, 1, Workload((1, 64))) is first
