@@ -34,6 +34,25 @@ def test_shipped_settings_validate_and_take_section_overrides():
     assert not s.agent.use_chat_template  # the traces and the loop render the same built-in prompt
 
 
+def test_the_demos_rl_steps_are_one_number_everywhere_a_user_reads_them():
+    """demo.yaml's rl_steps, DemoConfig's default, train.yaml's stage (`tirl train --config` alone) and
+    the README's "the demo's N RL steps" agree: a default changed in one place fails here."""
+    import re
+    from pathlib import Path
+
+    from tirl.demo.pipeline import CONFIG_DIR, DemoConfig
+
+    steps = load_settings().demo.rl_steps
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (said,) = re.findall(r"runs the demo's (\d+) RL steps", readme)
+    assert (
+        steps
+        == DemoConfig().rl_steps
+        == read_yaml(CONFIG_DIR / "train.yaml")["stages"][0]["steps"]
+        == int(said)
+    )
+
+
 def test_the_quick_preset_skips_the_drills_of_a_model_with_copy_heads():
     """`tirl demo --quick` trains its SFT from the fresh demo-preset model (copy heads: tirl.tiny_model),
     and the command line's overrides win over the preset's."""
