@@ -63,6 +63,9 @@ def test_the_quick_preset_skips_the_drills_of_a_model_with_copy_heads():
     assert (s.demo.drill_steps, s.demo.shaped_drill_steps, s.demo.rl_steps) == (0, 0, 4)
     assert s.sft["optim"]["lr"] == 6.0e-3 and s.train["engine"]["backend"] == "hf"
     assert s.sft["optim"]["micro_batch_tokens"] == 1024  # speed only (docs/results.md)
+    # quick.yaml's measured SFT (175 steps at a constant lr), whatever sft.yaml's default becomes
+    sft = (s.demo.sft_problems * s.sft["epochs"] / s.sft["batch_size"], s.sft["optim"]["schedule"])
+    assert sft == (175, "constant")
     assert PRESETS[s.demo.preset]["copy_heads"]
     assert load_settings(overrides=[*quick_overrides(), "demo.drill_steps=300"]).demo.drill_steps == 300
 
