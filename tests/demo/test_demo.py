@@ -34,6 +34,20 @@ def test_shipped_settings_validate_and_take_section_overrides():
     assert not s.agent.use_chat_template  # the traces and the loop render the same built-in prompt
 
 
+def test_the_default_sft_is_the_measured_cosine_over_the_steps_sft_yaml_names():
+    """sft.yaml's "# N steps" is what the default settings train (tirl.rl.sft: ceil per epoch), with the
+    cosine to 0.1 x lr that docs/results.md's five-seed sweep measured."""
+    import math
+    import re
+
+    from tirl.demo.pipeline import CONFIG_DIR
+
+    s = load_settings()
+    (said,) = re.findall(r"^epochs: \d+ +# (\d+) steps", (CONFIG_DIR / "sft.yaml").read_text(), flags=re.M)
+    assert math.ceil(s.demo.sft_problems / s.sft["batch_size"]) * s.sft["epochs"] == int(said)
+    assert (s.sft["optim"]["schedule"], s.sft["optim"]["min_lr_ratio"]) == ("cosine", 0.1)
+
+
 def test_the_demos_rl_steps_are_one_number_everywhere_a_user_reads_them():
     """demo.yaml's rl_steps, DemoConfig's default, train.yaml's stage (`tirl train --config` alone) and
     the README's "the demo's N RL steps" agree: a default changed in one place fails here."""
