@@ -53,6 +53,43 @@ def test_the_engines_sockets_are_in_a_directory_of_this_process(engine):
     assert any(stat.S_ISSOCK(e.stat().st_mode) for e in os.scandir(path)), os.listdir(path)
 
 
+def test_on_two_cores_the_worker_runs_inside_the_engine_core(engine):
+    """vLLM's CPU default puts the worker in a process of its own, one thread, with a core kept for the
+    scheduler and both polling shared memory; on <= 2 cores tirl keeps the worker in the engine core
+    (benchmarks/engine_start.py), and the variable that does it stays out of this process."""
+    from tirl.engines.vllm import IN_CORE_WORKER_MAX_CPUS
+
+    executor = engine._llm.vllm_config.parallel_config.distributed_executor_backend
+    small = len(os.sched_getaffinity(0)) <= IN_CORE_WORKER_MAX_CPUS
+    assert executor == ("uni" if small else "mp")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+
+
+def test_the_engines_environment_by_device_and_cores(monkeypatch):
+    from tirl.engines.vllm import engine_env
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cpu = EngineConfig(backend="vllm", model="m")
+    assert engine_env(cpu, on_cpu=True, cpus=2) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert engine_env(cpu, on_cpu=True, cpus=1) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert engine_env(cpu, on_cpu=True, cpus=3) == {}  # the worker gets >= 2 threads of its own
+    gpu = cpu.model_copy(update={"device": "cuda:1", "tensor_parallel_size": 2})
+    assert engine_env(gpu, on_cpu=False, cpus=2) == {"CUDA_VISIBLE_DEVICES": "1,2"}
+    assert engine_env(cpu.model_copy(update={"device": "cuda"}), on_cpu=False, cpus=2) == {}
+
+
+def test_the_engines_environment_is_scoped_to_its_start(monkeypatch):
+    from tirl.engines.vllm import _scoped_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    with _scoped_env({"CUDA_VISIBLE_DEVICES": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+
+
 def test_socket_directories_nobody_holds_are_swept_and_the_users_choice_kept(tmp_path, monkeypatch):
     """Another process's directory is left while it holds its lock, whatever its pid says; one whose lock
     is free (its process was killed) is removed, unless it is young (a process may be setting it up)."""

@@ -226,22 +226,39 @@ def visible_gpus(device: str, tensor_parallel: int = 1) -> str | None:
     return ",".join(str(i) for i in ours)
 
 
+# At most this many cores, vLLM's CPU executor would give its worker process one thread and keep a core
+# for the engine core's scheduler, the two polling shared memory for each other between steps (2 cores:
+# 8% slower RL steps, 8 s more per engine start, benchmarks/engine_start.py). The worker inside the engine
+# core does the same single-threaded work without the second process.
+IN_CORE_WORKER_MAX_CPUS = 2
+
+
+def engine_env(cfg: EngineConfig, on_cpu: bool, cpus: int) -> dict[str, str]:
+    """The environment the engine's processes start with (a pure function: tests check it without
+    starting vLLM). `cpus`: the cores this process may run on."""
+    env = {}
+    visible = visible_gpus(cfg.device, cfg.tensor_parallel_size)
+    if visible is not None:  # pin the engine's child processes to its own GPUs
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    if on_cpu and cpus <= IN_CORE_WORKER_MAX_CPUS:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's CPU platform then keeps the "uni" executor
+    return env
+
+
 @contextmanager
-def _visible_gpu(device: str, tensor_parallel: int = 1) -> Iterator[None]:
-    """Pin the engine's child processes (spawned now, inheriting the environment) to its own GPUs."""
-    visible = visible_gpus(device, tensor_parallel)
-    if visible is None:
-        yield
-        return
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+def _scoped_env(env: dict[str, str]) -> Iterator[None]:
+    """`env` while the engine starts (its processes are spawned now and inherit it); the trainer in this
+    process keeps its own (every GPU, its own threads)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
-    finally:  # the trainer in this process keeps seeing every GPU
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def _dtype_name(cfg: EngineConfig, on_cpu: bool) -> str:
@@ -261,7 +278,9 @@ def engine_args(cfg: EngineConfig, on_cpu: bool, sleep: bool, worker_extension: 
     if on_cpu:
         # Exact budget in bytes (VLLM_CPU_KVCACHE_SPACE only takes whole GiB).
         kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
-        kwargs["distributed_executor_backend"] = "uni"  # worker inside the engine-core process
+        # The worker inside the engine-core process: vLLM's CPU platform turns this into its
+        # multiprocessing executor unless engine_env turned V1 multiprocessing off (<= 2 cores).
+        kwargs["distributed_executor_backend"] = "uni"
         # A prompt prefilled in chunks discards the token sampled after a partial chunk by rewinding
         # the request's seeded generator, which CPU generators cannot do (the engine dies under
         # load): prefill every prompt whole.
@@ -343,7 +362,7 @@ class VLLMEngine(StagedWake, GroupReceiver, FlatLoader):
                 "%s: vLLM sleep mode is not available on this platform; weights stay resident", self.name
             )
         args = AsyncEngineArgs(**engine_args(self.cfg, self.on_cpu, sleep, self.worker_extension))
-        with _visible_gpu(self.cfg.device, self.cfg.tensor_parallel_size):
+        with _scoped_env(engine_env(self.cfg, self.on_cpu, len(os.sched_getaffinity(0)))):
             return AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
