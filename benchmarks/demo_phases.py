@@ -57,7 +57,8 @@ elif phase == "sft":
     p._sft(s.sft | {"epochs": 1}, s, start_model, out / "data" / "sft_traces.jsonl", out, False, False)
 elif phase == "rl":
     s.demo = s.demo.model_copy(update={"rl_steps": steps})
-    p._train(s, Path(model), rl_data, out, "rl", None, False, s.demo.seed, False)
+    with p.SharedRuntime(p.train_config(s, Path(model), rl_data, out, "rl")) as shared:  # opened by the run
+        p._train(s, Path(model), rl_data, out, "rl", None, False, s.demo.seed, False, shared)
 elif phase == "eval":
     asyncio.run(p._evaluate(s, Path(model), heldout, out / "eval", False))
 else:

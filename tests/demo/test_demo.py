@@ -185,9 +185,34 @@ def test_error_ratio_in_correct_counts_correct_trajectories_only():
     assert error_ratio_in_correct([traj(0.0, "ok")]) is None  # no correct trajectory: undefined
 
 
-def test_micro_demo_end_to_end(tmp_path):
+def _count_engine_starts(monkeypatch) -> list:
+    from tirl.engines import factory
+
+    starts, build = [], factory.build_engines
+    monkeypatch.setattr(factory, "build_engines", lambda cfg: starts.append(cfg.model) or build(cfg))
+    return starts
+
+
+def test_micro_demo_end_to_end(tmp_path, monkeypatch):
     out = tmp_path / "demo"
+    starts = _count_engine_starts(monkeypatch)
     summary = run_demo(out, overrides=MICRO, progress=False)
+    # One engine start for eval_sft, the RL run and eval_rl (pipeline.SharedRuntime): the RL model is
+    # evaluated on the engines the run synced after its last step, as on its checkpoint anew.
+    assert len(starts) == 1
+    from tirl.demo.pipeline import SharedRuntime, _evaluate_into
+    from tirl.demo.synthetic import generate
+    from tirl.rl.checkpoint import latest_model_dir
+
+    settings = load_settings(overrides=MICRO)
+    cfg = train_config(
+        settings, latest_model_dir(out / "sft"), str(out / "data" / "rl_train.jsonl"), out, "rl"
+    )
+    heldout = generate(settings.demo.heldout_problems, "heldout", seed=settings.demo.seed)
+    with SharedRuntime(cfg) as fresh:
+        _evaluate_into(settings, latest_model_dir(out / "rl"), heldout, tmp_path / "anew", False, fresh)
+    assert len(starts) == 2 and starts[1] == str(latest_model_dir(out / "rl"))
+    assert _responses(tmp_path / "anew") == _responses(out / "eval_rl")  # weights: tests/rl/test_trainer.py
     saved = json.loads((out / "summary.json").read_text())
     assert saved == summary
     for tag in ("sft", "rl"):  # the summary reports what the evaluation measured
@@ -222,6 +247,11 @@ def test_micro_demo_end_to_end(tmp_path):
         assert sum(res["generated"].values()) == generated
 
 
+def _responses(eval_dir) -> list:
+    rows = [json.loads(x) for x in (eval_dir / "trajectories.jsonl").read_text().splitlines()]
+    return [(r["problem_id"], r["sample_index"], r["response_ids"], r["reward"]) for r in rows]
+
+
 def test_an_interrupted_demo_resumes_where_it_stopped(tmp_path, monkeypatch):
     """Ctrl-C during the RL model's evaluation; --resume then skips every finished phase (they would
     fail if run again), evaluates, and reports; a finished RL run resumed from its last checkpoint
@@ -231,10 +261,10 @@ def test_an_interrupted_demo_resumes_where_it_stopped(tmp_path, monkeypatch):
     out = tmp_path / "demo"
     evaluate_into = pipeline._evaluate_into
 
-    def ctrl_c_at_rl(settings, model, problems, out_dir, progress):
+    def ctrl_c_at_rl(settings, model, problems, out_dir, progress, shared):
         if out_dir.name == "eval_rl":
             raise KeyboardInterrupt
-        return evaluate_into(settings, model, problems, out_dir, progress)
+        return evaluate_into(settings, model, problems, out_dir, progress, shared)
 
     monkeypatch.setattr(pipeline, "_evaluate_into", ctrl_c_at_rl)
     with pytest.raises(KeyboardInterrupt):
@@ -264,9 +294,11 @@ def test_an_interrupted_demo_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert (out / "rl" / "metrics.jsonl").read_text() == metrics  # continued at its end: no step added
 
 
-def test_micro_comparison_over_seeds(tmp_path):
+def test_micro_comparison_over_seeds(tmp_path, monkeypatch):
     out = tmp_path / "demo"
+    starts = _count_engine_starts(monkeypatch)
     summary = run_demo(out, compare="grpo", seeds=2, overrides=[*MICRO, "demo.rl_steps=2"], progress=False)
+    assert len(starts) == 1 + 3 * 2  # the first RL run shares eval_sft's engines; 3 more runs + evals
     comparison = summary["comparison"]
     assert comparison["seeds"] == 2
     for run in ("rl", "grpo"):

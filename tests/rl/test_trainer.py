@@ -20,6 +20,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tirl.config import ConfigError, load_config
+from tirl.engines.base import SamplingParams
 from tirl.rl.checkpoint import latest_checkpoint, load_trainer_state, read_saved_training_state
 from tirl.rl.config import TrainConfig
 from tirl.rl.metrics import read_metrics
@@ -193,6 +194,28 @@ def test_vllm_engine_samples_from_the_weights_the_trainer_just_updated(tiny_mode
     assert rows[0]["train/entropy"] != rows[-1]["train/entropy"]  # the policy did move
     gaps = [r["train/engine_logprob_gap"] for r in rows]
     assert max(gaps) < 1e-4, gaps
+
+
+async def test_train_on_a_callers_runtime_leaves_it_open_on_the_last_steps_weights(tiny_model_dir, tmp_path):
+    """tirl demo evaluates before and after RL on the runtime the run trained on: train_on leaves it
+    open, its engines holding exactly the final checkpoint's weights (synced after the last step)."""
+    from tirl.rl.trainer import train_on
+    from tirl.runtime import open_runtime
+
+    config = _write_config(tmp_path, tiny_model_dir, steps=(2, 1))
+    cfg = load_config(TrainConfig, config, ["run_name=on", "optim.lr=1e-2"])
+    engine = cfg.engine.model_copy(update={"model": str(tiny_model_dir)})
+    async with open_runtime(cfg.cluster, engine, cfg.sandbox, cfg.reward) as rt:
+        run_dir = await train_on(rt, cfg, progress=False)
+        held = {k: v.detach().clone() for k, v in rt.engines[0].model.state_dict().items()}
+        generated = await rt.engines[0].generate([5, 6, 7], SamplingParams(max_tokens=4, seed=0))
+    assert len(generated.token_ids) == 4  # still serving after the run
+    saved = load_file(latest_checkpoint(run_dir) / "model" / "model.safetensors")
+    start = load_file(Path(tiny_model_dir) / "model.safetensors")
+    assert any(not torch.equal(saved[k], start[k]) for k in saved)  # the policy did move
+    for k, v in saved.items():
+        assert torch.equal(held[k], v), k
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
 
 
 def test_config_errors_are_clear(tmp_path, tiny_model_dir):

@@ -19,12 +19,12 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,6 +36,9 @@ from tirl.demo.drills import OUTCOME_FILE
 from tirl.demo.sft_traces import TraceMix
 from tirl.eval.config import EvalConfig
 from tirl.rl.config import SFTConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from tirl.runtime import Runtime
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs" / "demo"
 MARKER = ".tirl-demo"  # marks a directory the demo may wipe on the next run
@@ -207,6 +210,7 @@ class Phases:
 
 
 Result = TypeVar("Result", Path, tuple[Path, Path])
+T = TypeVar("T")
 
 
 def _strings(result: Path | tuple[Path, ...]) -> str | list[str]:
@@ -321,33 +325,42 @@ def run_demo(
         f"SFT on {_count_lines(traces)} examples (tool-using traces with imperfections{drills})",
         partial(_sft, settings.sft, settings, drilled, traces, out, progress, resume),
     )
-    eval_dirs = {
-        "sft": phase.run(
-            "eval_sft",
-            "evaluate the SFT model on held-out problems",
-            partial(_evaluate_into, settings, sft_model, heldout, out / "eval_sft", progress),
+    # One runtime for the SFT model's evaluation, the first RL run and its evaluation (SharedRuntime).
+    first_tag = "rl" if seeds == 1 else "rl_seed0"
+    with SharedRuntime(
+        train_config(settings, sft_model, rl_data, out, first_tag, seed=settings.demo.seed)
+    ) as shared:
+        eval_dirs = {
+            "sft": phase.run(
+                "eval_sft",
+                "evaluate the SFT model on held-out problems",
+                partial(_evaluate_into, settings, sft_model, heldout, out / "eval_sft", progress, shared),
+            )
+        }
+        sft_numbers = _eval_numbers(EvalReport.read(eval_dirs["sft"]))
+        checks.expect(
+            sft_shortfall(sft_numbers, settings.demo.min_sft_tool_use, settings.demo.min_sft_accuracy)
         )
-    }
-    sft_numbers = _eval_numbers(EvalReport.read(eval_dirs["sft"]))
-    checks.expect(sft_shortfall(sft_numbers, settings.demo.min_sft_tool_use, settings.demo.min_sft_accuracy))
-    train_dirs, groups = {}, {name: [] for name in runs}
-    rl_started, ran = time.perf_counter(), 0  # units trained by this call (a resumed demo skips some)
-    for done, (k, name) in enumerate(units):
-        roc, tag, seed = runs[name], name if seeds == 1 else f"{name}_seed{k}", settings.demo.seed + k
-        algo = "GRPO-RoC" if roc is None else f"plain GRPO (roc={roc})"
-        left = (time.perf_counter() - rl_started) / ran * (len(units) - done) if ran else None
-        eta = "" if left is None else f", ~{left / 60:.0f} min left"
-        what = f"{algo}: {settings.demo.rl_steps} steps from the SFT model, seed {seed} [{done + 1}/{len(units)}{eta}]"
-        ran += tag not in phase.finished
-        train_dirs[tag], model = phase.run(
-            tag, what, partial(_train, settings, sft_model, rl_data, out, tag, roc, progress, seed, resume)
-        )
-        eval_dirs[tag] = phase.run(
-            f"eval_{tag}",
-            f"evaluate the {algo} model (seed {seed}) on held-out problems",
-            partial(_evaluate_into, settings, model, heldout, out / f"eval_{tag}", progress),
-        )
-        groups[name].append(tag)
+        train_dirs, groups = {}, {name: [] for name in runs}
+        rl_started, ran = time.perf_counter(), 0  # units trained by this call (a resumed demo skips some)
+        for done, (k, name) in enumerate(units):
+            roc, tag, seed = runs[name], name if seeds == 1 else f"{name}_seed{k}", settings.demo.seed + k
+            algo = "GRPO-RoC" if roc is None else f"plain GRPO (roc={roc})"
+            left = (time.perf_counter() - rl_started) / ran * (len(units) - done) if ran else None
+            eta = "" if left is None else f", ~{left / 60:.0f} min left"
+            what = f"{algo}: {settings.demo.rl_steps} steps from the SFT model, seed {seed} [{done + 1}/{len(units)}{eta}]"
+            ran += tag not in phase.finished
+            train_dirs[tag], model = phase.run(
+                tag,
+                what,
+                partial(_train, settings, sft_model, rl_data, out, tag, roc, progress, seed, resume, shared),
+            )
+            eval_dirs[tag] = phase.run(
+                f"eval_{tag}",
+                f"evaluate the {algo} model (seed {seed}) on held-out problems",
+                partial(_evaluate_into, settings, model, heldout, out / f"eval_{tag}", progress, shared),
+            )
+            groups[name].append(tag)
     with phase("report", "write report.md, plots and summary.json"):
         phase.seconds["total"] = round(time.perf_counter() - started, 1)
         evals = {tag: EvalReport.read(d) for tag, d in eval_dirs.items()}
@@ -551,12 +564,19 @@ def _train(
     progress: bool,
     seed: int,
     resume: bool,
+    shared: SharedRuntime,
 ) -> tuple[Path, Path]:
     from tirl.rl.checkpoint import latest_model_dir
-    from tirl.rl.trainer import run_training
+    from tirl.rl.trainer import run_training, train_on
 
     cfg = train_config(settings, model, data, out, name, roc, seed)
-    run_dir = run_training(cfg, resume=resume and _checkpointed(cfg.run_dir), progress=progress)
+    resume = resume and _checkpointed(cfg.run_dir)  # its engines start from the checkpoint's weights
+    if shared.serves(cfg) and not resume:
+        run_dir = shared.run(lambda rt: train_on(rt, cfg, progress))
+        shared.now_holds(latest_model_dir(run_dir))  # synced after the last step
+    else:
+        shared.close()  # it holds weights no later phase needs
+        run_dir = run_training(cfg, resume=resume, progress=progress)
     return run_dir, latest_model_dir(run_dir)
 
 
@@ -564,24 +584,103 @@ def _eval_raw(settings: DemoSettings) -> dict:
     return settings.eval | {"agent": settings.agent.model_dump(mode="json")}
 
 
-async def _evaluate(settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool):
-    from tirl.engines.config import EngineConfig
+async def _evaluate_on(rt: Runtime, settings: DemoSettings, problems, out_dir: Path, progress: bool):
     from tirl.eval import evaluate
-    from tirl.reward import RewardConfig
-    from tirl.runtime import ClusterConfig, open_runtime
 
     cfg = EvalConfig.model_validate(_eval_raw(settings))
-    engine = EngineConfig.model_validate(settings.train.get("engine", {}) | {"model": str(model)})
-    reward = RewardConfig.model_validate(settings.train.get("reward", {}))
-    async with open_runtime(ClusterConfig(), engine, _sandbox_config(settings), reward) as rt:
-        report = await evaluate(rt, {"heldout": problems}, cfg, progress=progress)
+    report = await evaluate(rt, {"heldout": problems}, cfg, progress=progress)
     report.write(out_dir)
     return report
 
 
-def _evaluate_into(settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool) -> Path:
-    asyncio.run(_evaluate(settings, model, problems, out_dir, progress))
+async def _evaluate(settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool):
+    """The demo's evaluation of `model` on a runtime of its own (the benchmarks')."""
+    from tirl.engines.config import EngineConfig
+    from tirl.reward import RewardConfig
+    from tirl.runtime import ClusterConfig, open_runtime
+
+    engine = EngineConfig.model_validate(settings.train.get("engine", {}) | {"model": str(model)})
+    reward = RewardConfig.model_validate(settings.train.get("reward", {}))
+    async with open_runtime(ClusterConfig(), engine, _sandbox_config(settings), reward) as rt:
+        return await _evaluate_on(rt, settings, problems, out_dir, progress)
+
+
+def _evaluate_into(
+    settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool, shared: SharedRuntime
+) -> Path:
+    shared.run_on(model, lambda rt: _evaluate_on(rt, settings, problems, out_dir, progress))
     return out_dir
+
+
+class SharedRuntime:
+    """One runtime (engines, sandbox, reward workers) for the SFT model's evaluation, the first RL run
+    and its evaluation: the engines hold the weights each of them needs in turn (the SFT model, then the
+    RL run's, synced after its last step), so the demo starts them once instead of three times (each
+    start and close ~10 s of 2 cores). Opened by the first phase that runs (a resumed demo skips some),
+    with the first RL run's cluster, engine, sandbox and reward settings (the evaluations' too); a phase
+    whose model the engines do not hold (a later RL run, a resumed one) closes it for good and opens
+    its own, as before."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.holds: str | None = str(Path(cfg.model))  # the model whose weights the engines hold
+        self._runner = asyncio.Runner()  # one event loop for every phase: the runtime's tasks live on it
+        self._stack: AsyncExitStack | None = None
+        self._runtime: Runtime | None = None
+
+    def __enter__(self) -> SharedRuntime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def serves(self, cfg: TrainConfig) -> bool:
+        """Whether an RL run of `cfg` can train on it: the same settings, from the weights it holds."""
+        return self.holds == str(Path(cfg.model)) and self.cfg == cfg
+
+    def now_holds(self, model: Path) -> None:
+        self.holds = str(Path(model))
+
+    def run(self, work: Callable[[Runtime], Coroutine[Any, Any, T]]) -> T:
+        """`work(runtime)` on the shared runtime (opened now if need be)."""
+        if self._runtime is None:
+            self._runtime = self._runner.run(self._open())
+        return self._runner.run(work(self._runtime))
+
+    def run_on(self, model: Path, work: Callable[[Runtime], Coroutine[Any, Any, T]]) -> T:
+        """`work(runtime)` with engines serving `model`: the shared runtime if it holds its weights,
+        else a runtime of its own for this call (and the shared one is closed: nothing follows in it)."""
+        if self.holds == str(Path(model)):
+            return self.run(work)
+        self.close()
+        return asyncio.run(self._alone(model, work))
+
+    async def _open(self) -> Runtime:
+        from tirl.runtime import open_runtime
+
+        self._stack = AsyncExitStack()
+        engine = self.cfg.engine.model_copy(update={"model": self.holds})
+        return await self._stack.enter_async_context(
+            open_runtime(self.cfg.cluster, engine, self.cfg.sandbox, self.cfg.reward)
+        )
+
+    async def _alone(self, model: Path, work: Callable[[Runtime], Coroutine[Any, Any, T]]) -> T:
+        from tirl.runtime import open_runtime
+
+        cfg = self.cfg
+        engine = cfg.engine.model_copy(update={"model": str(model)})
+        async with open_runtime(cfg.cluster, engine, cfg.sandbox, cfg.reward) as rt:
+            return await work(rt)
+
+    def close(self) -> None:
+        """Close the runtime (if it was opened) and its event loop; later phases open their own."""
+        self.holds = None
+        try:
+            if self._stack is not None:
+                self._runner.run(self._stack.aclose())
+        finally:
+            self._stack = self._runtime = None
+            self._runner.close()
 
 
 # ---- report ----

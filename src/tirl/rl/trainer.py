@@ -84,11 +84,20 @@ def fault_point(phase: str, step: int) -> None:
 
 @asynccontextmanager
 async def open_main_runtime(
-    cfg: TrainConfig, model_path: str, info: DistInfo, placement: Placement | None
+    cfg: TrainConfig,
+    model_path: str,
+    info: DistInfo,
+    placement: Placement | None,
+    opened: Runtime | None = None,
 ) -> AsyncIterator[Runtime | None]:
-    """The runtime (cfg.cluster: engines serving `model_path`, sandbox, reward workers), on rank 0 only."""
+    """The runtime (cfg.cluster: engines serving `model_path`, sandbox, reward workers), on rank 0 only;
+    `opened`: the caller's, serving `model_path` already (left open)."""
     if not info.is_main:
         yield None
+        return
+    if opened is not None:
+        opened.engine_metrics()  # the rollout window starts with this run, not with the caller's work
+        yield opened
         return
     engine_cfg = cfg.engine.model_copy(update={"model": model_path})
     async with open_runtime(cfg.cluster, engine_cfg, cfg.sandbox, cfg.reward, placement=placement) as runtime:
@@ -304,6 +313,17 @@ def run_training(cfg: TrainConfig, resume: bool = False, progress: bool = True) 
         shutdown_distributed(synchronize=clean)
 
 
+async def train_on(runtime: Runtime, cfg: TrainConfig, progress: bool = True) -> Path:
+    """run_training from the start on a runtime the caller opened (and closes) with cfg.cluster,
+    cfg.sandbox and cfg.reward, its engines serving cfg.model: in one process, and the engines end on
+    the last step's weights. What a caller that evaluates before and after saves: two engine starts
+    (tirl demo)."""
+    info = init_distributed(cfg.optim.device)
+    if info.enabled:
+        raise ConfigError("train_on runs in one process: launch torchrun runs with run_training")
+    return await _train(cfg, info, resume=False, progress=progress, runtime=runtime)
+
+
 def model_paths(cfg: TrainConfig, ckpt: Path | None, info: DistInfo) -> tuple[str, str]:
     """The trainer's model and the engines' (resumed: the checkpoint's). With LoRA the trainer always
     starts from the frozen base (a resumed run's adapter comes from its shards) and only the engines
@@ -318,7 +338,9 @@ def model_paths(cfg: TrainConfig, ckpt: Path | None, info: DistInfo) -> tuple[st
     return resumed, resumed
 
 
-async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool) -> Path:
+async def _train(
+    cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool, runtime: Runtime | None = None
+) -> Path:
     from rich.console import Console
 
     console = Console(stderr=True, quiet=not (progress and info.is_main))
@@ -344,7 +366,7 @@ async def _train(cfg: TrainConfig, info: DistInfo, resume: bool, progress: bool)
         with open_cluster_placement(cfg.cluster, cfg.engine.num_engines) as placement:
             async with (
                 open_learner(cfg, policy_path, info, cfg.stages[state.stage].steps, placement) as learner,
-                open_main_runtime(cfg, model_path, info, placement) as runtime,
+                open_main_runtime(cfg, model_path, info, placement, runtime) as runtime,
             ):
                 run = Run(cfg, info, learner, runtime, state, logger, _alert_monitor(cfg))
                 _announce_correction(cfg, console)
