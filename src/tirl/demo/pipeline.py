@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -656,21 +656,19 @@ class SharedRuntime:
         return asyncio.run(self._alone(model, work))
 
     async def _open(self) -> Runtime:
-        from tirl.runtime import open_runtime
-
         self._stack = AsyncExitStack()
-        engine = self.cfg.engine.model_copy(update={"model": self.holds})
-        return await self._stack.enter_async_context(
-            open_runtime(self.cfg.cluster, engine, self.cfg.sandbox, self.cfg.reward)
-        )
+        return await self._stack.enter_async_context(self._opening(self.holds))
 
     async def _alone(self, model: Path, work: Callable[[Runtime], Coroutine[Any, Any, T]]) -> T:
+        async with self._opening(model) as rt:
+            return await work(rt)
+
+    def _opening(self, model: str | Path) -> AbstractAsyncContextManager[Runtime]:
         from tirl.runtime import open_runtime
 
         cfg = self.cfg
         engine = cfg.engine.model_copy(update={"model": str(model)})
-        async with open_runtime(cfg.cluster, engine, cfg.sandbox, cfg.reward) as rt:
-            return await work(rt)
+        return open_runtime(cfg.cluster, engine, cfg.sandbox, cfg.reward)
 
     def close(self) -> None:
         """Close the runtime (if it was opened) and its event loop; later phases open their own."""
