@@ -228,8 +228,8 @@ def visible_gpus(device: str, tensor_parallel: int = 1) -> str | None:
 
 # At most this many cores, vLLM's CPU executor would give its worker process one thread and keep a core
 # for the engine core's scheduler, the two polling shared memory for each other between steps (2 cores:
-# 8% slower RL steps, 8 s more per engine start, benchmarks/engine_start.py). The worker inside the engine
-# core does the same single-threaded work without the second process.
+# ~10% slower RL steps, ~6 s more per engine start, benchmarks/engine_start.py). The worker inside the
+# engine core does the same single-threaded work without the second process.
 IN_CORE_WORKER_MAX_CPUS = 2
 
 
