@@ -325,11 +325,13 @@ def run_demo(
         f"SFT on {_count_lines(traces)} examples (tool-using traces with imperfections{drills})",
         partial(_sft, settings.sft, settings, drilled, traces, out, progress, resume),
     )
+
+    def unit(k: int, name: str) -> tuple[str | None, str, int]:  # RL run k of `name`: its roc, tag, seed
+        return runs[name], name if seeds == 1 else f"{name}_seed{k}", settings.demo.seed + k
+
     # One runtime for the SFT model's evaluation, the first RL run and its evaluation (SharedRuntime).
-    first_tag = "rl" if seeds == 1 else "rl_seed0"
-    with SharedRuntime(
-        train_config(settings, sft_model, rl_data, out, first_tag, seed=settings.demo.seed)
-    ) as shared:
+    roc, tag, seed = unit(*units[0])
+    with SharedRuntime(train_config(settings, sft_model, rl_data, out, tag, roc, seed)) as shared:
         eval_dirs = {
             "sft": phase.run(
                 "eval_sft",
@@ -344,7 +346,7 @@ def run_demo(
         train_dirs, groups = {}, {name: [] for name in runs}
         rl_started, ran = time.perf_counter(), 0  # units trained by this call (a resumed demo skips some)
         for done, (k, name) in enumerate(units):
-            roc, tag, seed = runs[name], name if seeds == 1 else f"{name}_seed{k}", settings.demo.seed + k
+            roc, tag, seed = unit(k, name)
             algo = "GRPO-RoC" if roc is None else f"plain GRPO (roc={roc})"
             left = (time.perf_counter() - rl_started) / ran * (len(units) - done) if ran else None
             eta = "" if left is None else f", ~{left / 60:.0f} min left"
