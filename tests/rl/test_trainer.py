@@ -18,10 +18,16 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tests.logprobs import reference_logprobs
 
 from tirl.config import ConfigError, load_config
 from tirl.engines.base import SamplingParams
-from tirl.rl.checkpoint import latest_checkpoint, load_trainer_state, read_saved_training_state
+from tirl.rl.checkpoint import (
+    latest_checkpoint,
+    latest_model_dir,
+    load_trainer_state,
+    read_saved_training_state,
+)
 from tirl.rl.config import TrainConfig
 from tirl.rl.metrics import read_metrics
 from tirl.rl.trainer import FAULT_ENV, run_training
@@ -184,16 +190,36 @@ def test_kill_mid_stage_then_resume_matches_uninterrupted_run(tiny_model_dir, tm
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_vllm_engine_samples_from_the_weights_the_trainer_just_updated(tiny_model_dir, tmp_path):
-    """After every update the trainer syncs its weights into the vLLM engine: the log-probs the engine
-    sampled with match the trainer's own for the same tokens (a stale engine would drift away)."""
+async def test_vllm_engine_samples_from_the_weights_the_trainer_just_updated(tiny_model_dir, tmp_path):
+    """As tirl demo trains (the default demo's vLLM engines, on a runtime it opened for its SFT
+    evaluation): after every update the trainer syncs its weights into the engine, so the log-probs
+    the engine sampled with match the trainer's own for the same tokens (a stale engine would drift
+    away); after the run the engine serves exactly the final checkpoint (what the demo evaluates on)."""
+    from transformers import AutoModelForCausalLM
+
+    from tirl.rl.trainer import train_on
+    from tirl.runtime import open_runtime
+
     config = _write_config(tmp_path, tiny_model_dir, steps=(2, 1))
     overrides = ["run_name=vllm", "engine.backend=vllm", "engine.kv_cache_gb=0.05", "optim.lr=1e-2"]
-    rows = read_metrics(run_training(load_config(TrainConfig, config, overrides), progress=False))
+    cfg = load_config(TrainConfig, config, overrides)
+    # Longer than a KV block, so a prefix cache kept across the syncs would serve it from old weights.
+    prompt, params = list(range(5, 45)), SamplingParams(temperature=1.0, max_tokens=16, seed=3)
+    async with open_runtime(cfg.cluster, cfg.engine, cfg.sandbox, cfg.reward) as rt:
+        before = await rt.engines[0].generate(prompt, params)  # and old-weight KV in the prefix cache
+        run_dir = await train_on(rt, cfg, progress=False)
+        after = await rt.engines[0].generate(prompt, params)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["train/entropy"] != rows[-1]["train/entropy"]  # the policy did move
     gaps = [r["train/engine_logprob_gap"] for r in rows]
     assert max(gaps) < 1e-4, gaps
+    final = AutoModelForCausalLM.from_pretrained(latest_model_dir(run_dir), dtype=torch.float32)
+    torch.testing.assert_close(
+        torch.tensor(after.logprobs), reference_logprobs(final, prompt, after.token_ids), atol=1e-4, rtol=0
+    )
+    stale = reference_logprobs(final, prompt, before.token_ids) - torch.tensor(before.logprobs)
+    assert stale.abs().max() > 1e-3  # the start's weights are not the final ones
 
 
 async def test_train_on_a_callers_runtime_leaves_it_open_on_the_last_steps_weights(tiny_model_dir, tmp_path):
