@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tirl-installed
 
-.PHONY: install test test-fast demo lint bench mutate clean gpu-wheels
+.PHONY: install browser test test-fast demo lint bench mutate clean gpu-wheels
 
 install: $(STAMP)
 
@@ -24,18 +24,22 @@ $(STAMP): pyproject.toml Makefile
 	@# unprivileged uids by itself, inside its mount namespace, without touching host permissions).
 	@ldconfig -p | grep -q libseccomp.so.2 || apt-get install -y -q libseccomp2 \
 		|| echo "warning: libseccomp2 is missing: the sandbox will run without its seccomp filter"
-	@# The viewer's tests drive a real headless Chromium (Debian's package) through playwright (in dev).
-	@command -v chromium >/dev/null || apt-get install -y -q chromium \
-		|| (apt-get update -q && apt-get install -y -q chromium) \
-		|| echo "warning: chromium is missing: the viewer's browser tests will be skipped"
 	touch $(STAMP)
 
-test: install
+# The viewer's and the endpoint's tests drive a real headless Chromium (Debian's package) through
+# playwright (in dev); only the tests need it, so `make demo` installs no browser. Without its
+# recommends (printer setup, avahi, udev: ~110 packages on a bare Debian 12) it is what headless needs.
+CHROMIUM := apt-get install -y -q --no-install-recommends chromium
+browser:
+	@command -v chromium >/dev/null || $(CHROMIUM) || (apt-get update -q && $(CHROMIUM)) \
+		|| echo "warning: chromium is missing: the viewer's browser tests will be skipped"
+
+test: install browser
 	@# two xdist workers (tests/conftest.py groups tests that share a setup); the 25 slowest tests,
 	@# so CI's log records them (docs/development.md lists the slowest 20)
 	$(VENV)/bin/pytest -q -n 2 --durations=25
 
-test-fast: install
+test-fast: install browser
 	$(VENV)/bin/pytest -q -m "not slow and not vllm"
 
 demo: install

@@ -37,7 +37,7 @@ def unavailable() -> str | None:
     except ImportError:
         return "the Python package playwright is not installed (make install adds it: pip install playwright)"
     if find_chromium() is None:
-        return "no Chromium on this machine (make install adds it: apt-get install chromium; or set TIRL_CHROMIUM)"
+        return "no Chromium on this machine (make test adds it: apt-get install --no-install-recommends chromium; or set TIRL_CHROMIUM)"
     return None
 
 
