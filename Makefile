@@ -27,9 +27,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The viewer's and the endpoint's tests drive a real headless Chromium (Debian's package) through
-# playwright (in dev); only the tests need it, so `make demo` installs no browser. Without its
-# recommends (printer setup, avahi, udev: 116 packages more on this machine's Debian 12) it is what
-# headless needs: 19 packages.
+# playwright (in dev); only the tests need it, so `make demo` installs no browser. Headless needs no
+# recommends (printer setup, avahi, udev): 19 packages without them on this machine's Debian 12, 116 with.
 CHROMIUM := apt-get install -y -q --no-install-recommends chromium
 browser:
 	@command -v chromium >/dev/null || $(CHROMIUM) || (apt-get update -q && $(CHROMIUM)) \
