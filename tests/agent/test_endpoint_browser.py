@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from tests.view.browser import unavailable
+from tests.view.browser import need_browser
 from tests.view.rebinding import attacker_chromium, read_after_rebinding
 
 from tirl.agent.openai_server import ChatRecorder, OpenAIEndpoint
@@ -36,9 +36,7 @@ class Canned:
 
 @pytest.fixture
 def browser():
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"the endpoint's browser tests need a real browser: {reason}")
+    need_browser("the endpoint's browser tests")
     with attacker_chromium() as b:
         yield b
 

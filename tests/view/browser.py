@@ -41,6 +41,18 @@ def unavailable() -> str | None:
     return None
 
 
+def need_browser(tests: str) -> None:
+    """Skip `tests` where no browser can run, with the reason; under CI (`make test` installs one)
+    fail instead: a browser test skipped there would prove nothing."""
+    import pytest
+
+    reason = unavailable()
+    if reason and os.environ.get("CI"):
+        pytest.fail(f"{tests} need a real browser under CI: {reason}")
+    if reason:
+        pytest.skip(f"{tests} need a real browser: {reason}")
+
+
 @contextmanager
 def chromium() -> Iterator:
     from playwright.sync_api import sync_playwright

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tests.agent.scripted import COMPACT_SCHEMA, Script, call, record, teach
-from tests.view.browser import chromium, unavailable
+from tests.view.browser import chromium, need_browser
 from typer.testing import CliRunner
 
 from tirl.agent import AgentConfig
@@ -56,9 +56,7 @@ def _cli(args: list[str]):
 def browser():
     """One Chromium per test: Playwright's sync API runs an event loop in this thread while it is open,
     and the session fixtures above call asyncio.run (pytest sets them up before this one)."""
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"viewer browser tests need a real browser: {reason}")
+    need_browser("the viewer's browser tests")
     with chromium() as b:
         yield b
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.view.browser import unavailable
+from tests.view.browser import need_browser
 from tests.view.rebinding import attacker_chromium, read_after_rebinding
 
 from tirl.view.serve import make_server
@@ -45,9 +45,7 @@ def test_only_this_machines_names_are_served(served):
 
 
 def test_a_dns_rebinding_page_cannot_read_the_viewer(served):
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"the viewer's browser tests need a real browser: {reason}")
+    need_browser("the viewer's browser tests")
     with attacker_chromium() as browser:
         read = read_after_rebinding(
             browser,
