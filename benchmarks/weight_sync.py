@@ -33,9 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port, receive_stream, send_weights
+from tirl.distributed.weight_sync import SyncChannel, SyncGroup, receive_stream, send_weights
 from tirl.engines.handoff import flat_handoff, pack_flat, unpack_flat
 from tirl.engines.vllm import flat_plan
+from tirl.ports import free_port
 
 BUCKET = 512 * 2**20  # the recipe's bucket size
 QWEN3_14B_PARAMS = 14_768_307_200  # the meta-device count (tests/runtime/test_weight_sync.py)

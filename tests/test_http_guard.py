@@ -20,7 +20,6 @@ import pytest
 import uvicorn
 import websockets.exceptions
 import websockets.sync.client
-from tests.ports import free_port
 
 from tirl.http_guard import (
     GuardPolicy,
@@ -30,6 +29,7 @@ from tirl.http_guard import (
     host_name,
     unguessable_id,
 )
+from tirl.ports import free_port
 
 JSON = {"content-type": "application/json"}
 

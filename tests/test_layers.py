@@ -13,7 +13,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[set[str]] = [
-    {"tirl", "lifetime", "config", "plugins", "seeds", "devices", "linux", "http_guard"},  # L0 core
+    {"tirl", "lifetime", "config", "plugins", "seeds", "devices", "linux", "http_guard", "ports"},  # L0 core
     {"sandbox", "reward", "data", "tiny_model", "engines", "distributed"},  # L1 leaves
     {"agent"},  # L2
     {"runtime"},  # L3

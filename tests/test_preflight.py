@@ -160,8 +160,7 @@ def test_the_preflight_plan_runs_inside_a_torchrun_ranks_environment(config, a_g
     MASTER_PORT set: its `tirl plan` child (given none of them: the plan's fake process group must
     never meet the run's) still runs and gives its verdict. (Whether the child would notice them is not
     observable here: `tirl plan` on CPU reads none, see docs/mutation.md.)"""
-    from tests.ports import free_port
-
+    from tirl.ports import free_port
     from tirl.rl.plan import memory_preflight, preflight_env
 
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}

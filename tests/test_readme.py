@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 from tests.jsonl import write_jsonl
-from tests.ports import free_port
 from tests.terminal import tirl_argv, tirl_env
+
+from tirl.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

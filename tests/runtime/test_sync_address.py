@@ -11,7 +11,8 @@ import threading
 import psutil
 import pytest
 
-from tirl.distributed.weight_sync import SyncChannel, SyncGroup, free_port
+from tirl.distributed.weight_sync import SyncChannel, SyncGroup
+from tirl.ports import free_port
 
 
 def _routable_ip_not_the_hostnames() -> tuple[str, str]:

@@ -10,7 +10,7 @@ import pytest
 from tests.terminal import run_tirl
 from tests.train_config import write_train_config
 
-from tirl.distributed.weight_sync import free_port
+from tirl.ports import free_port
 from tirl.rl.metrics import read_metrics
 
 pytestmark = [

@@ -18,7 +18,6 @@ from tirl.distributed.weight_sync import (
     SyncChannel,
     SyncGroup,
     _pack,
-    free_port,
     gathered,
     layer_group,
     plan_buckets,
@@ -26,6 +25,7 @@ from tirl.distributed.weight_sync import (
     receive_into,
     send_weights,
 )
+from tirl.ports import free_port
 from tirl.rl.plan import architecture_config
 
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from tests.ports import free_port
 
 from tirl import lifetime
+from tirl.ports import free_port
 from tirl.sandbox import SandboxConfig
 from tirl.sandbox.service import serve_command
 

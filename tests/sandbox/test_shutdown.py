@@ -10,9 +10,9 @@ import threading
 import time
 
 import httpx
-from tests.ports import free_port
 from tests.terminal import foreground, tirl_argv
 
+from tirl.ports import free_port
 from tirl.sandbox.server import STOPPED
 
 

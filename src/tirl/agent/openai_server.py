@@ -62,6 +62,7 @@ from tirl.agent.protocol import ToolCall, count_answer_blocks, parse_tool_calls
 from tirl.agent.trajectory import ToolCallRecord, ToolCallStatus, Trajectory, generated_runs
 from tirl.engines.base import EnginePool, SamplingParams
 from tirl.http_guard import GuardPolicy, HTTPGuard, Refusal, header_deadline_protocol, unguessable_id
+from tirl.ports import free_port
 
 DriftPolicy = Literal["keep", "error"]
 
@@ -901,14 +902,10 @@ class OpenAIEndpoint:
         allowed_hosts: tuple[str, ...] | list[str] = (),
         max_body_bytes: int = 4 << 20,
     ):
-        import socket
-
         import uvicorn
 
         if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
+            port = free_port(host)
         self.recorder = recorder
         self.url = f"http://{host}:{port}"
         self._names: dict[str, str] = {}  # trajectory name -> the id issued for it

@@ -24,7 +24,6 @@ import logging
 import os
 import pickle
 import re
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -174,12 +173,6 @@ def plan_entries(
         wire = dtype if dtype is not None and p.dtype.is_floating_point else p.dtype
         out.append(Entry(name, tuple(p.shape), str(wire)))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:

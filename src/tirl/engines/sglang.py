@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from tirl.devices import resolve_device
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
 from tirl.engines.remote import ServerEngine, ServerExited
+from tirl.ports import free_port
 
 INSTALL_HINT = (
     "the sglang backend needs SGLang: `pip install 'tirl[sglang]'` (CUDA GPUs; it pins its own torch, so "
@@ -78,12 +78,6 @@ def require_sglang() -> None:
     )
     if probe.returncode != 0:
         raise ImportError(f"{INSTALL_HINT} (no SGLang in {python}; ${PYTHON_ENV} names another Python)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sglang_server_command(cfg: EngineConfig, port: int) -> list[str]:
@@ -144,7 +138,7 @@ class SGLangEngine:
                 raise
 
     def _start(self, cfg: EngineConfig, name: str, gpu: str | None, api_key: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self._proc = subprocess.Popen(
             sglang_server_command(cfg, self.port),
             env=server_env(api_key, gpu, cfg.device),

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tirl.distributed.groups import DistInfo, fails_in_minutes
-from tirl.distributed.weight_sync import SyncChannel, SyncGroup, SyncKind, free_port, send_weights
+from tirl.distributed.weight_sync import SyncChannel, SyncGroup, SyncKind, send_weights
+from tirl.ports import free_port
 from tirl.rl.update import Shard, shard_update
 from tirl.runtime.base import Runtime
 from tirl.runtime.colocation import lends_devices
@@ -38,7 +39,7 @@ class TrainerWorker:
         return whereabouts()
 
     def address(self) -> tuple[str, int]:
-        return node_ip(), free_port()
+        return node_ip(), free_port("")
 
     def setup(
         self, rank: int, world: int, master: tuple[str, int], model_path: str, optim, total_steps: int

@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.distributed.weight_sync import SyncChannel, SyncGroup, WorkerReceiver, free_port, receive_into
+from tirl.distributed.weight_sync import SyncChannel, SyncGroup, WorkerReceiver, receive_into
 from tirl.engines.base import Generation, GroupReceiver, KVCapacity, SamplingParams, StagedWake
 from tirl.engines.fleet import EngineFleet
 from tirl.engines.vllm import WeightSyncExtension
+from tirl.ports import free_port
 from tirl.runtime.base import Runtime
 from tirl.runtime.config import ClusterConfig
 from tirl.runtime.ray_cluster import (
@@ -256,7 +257,7 @@ class SandboxNode:
 
     def __init__(self, cfg: SandboxConfig, token: str):
         self.cfg, self.token = cfg, token
-        self.host, self.port = node_ip(), free_port()
+        self.host, self.port = node_ip(), free_port("")
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 

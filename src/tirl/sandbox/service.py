@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tirl import lifetime
 from tirl.config import SANDBOX_TOKEN_ENV, secret_or_env
+from tirl.ports import free_port
 from tirl.sandbox.client import SandboxClient
 from tirl.sandbox.limits import DEFAULT_LIMITS, Limits, MiB
 from tirl.sandbox.pool import STDLIB, Sandbox, resolve_preload
@@ -124,12 +124,6 @@ def serve_command(cfg: SandboxConfig, host: str, port: int) -> list[str]:
     return argv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _wait_healthy(url: str, token: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
@@ -147,7 +141,7 @@ async def _wait_healthy(url: str, token: str, proc: subprocess.Popen, timeout_s:
 
 @contextlib.asynccontextmanager
 async def _local_service(cfg: SandboxConfig) -> AsyncIterator[SandboxClient]:
-    port, token = _free_port(), secrets.token_urlsafe(24)
+    port, token = free_port(), secrets.token_urlsafe(24)
     argv = serve_command(cfg, "127.0.0.1", port)
     # The token never shows in `ps`; the service dies with this process even when it is killed
     # (tirl.lifetime), whether or not it is a tirl command (a script, a benchmark, a test).
