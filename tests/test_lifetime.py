@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -220,3 +221,55 @@ def test_ctrl_c_in_eval_keeps_the_finished_trajectories(tiny_model_dir, tmp_path
     kept = (out / "trajectories.partial.jsonl").read_text().splitlines()
     assert f"interrupted: {len(kept)} of 128 trajectories had finished" in output.text, output.text[-3000:]
     assert 13 <= len(kept) < 128 and all(json.loads(line)["response_ids"] for line in kept)
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_stop_child_kills_what_ignores_sigterm_after_the_grace_period(group: bool) -> None:
+    """A child that ignores SIGTERM is killed once the grace period is out; with `group`, the worker it
+    started goes too (an inference server's workers), and without it the worker is left alone."""
+    from tirl.lifetime import stop_child
+
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, process_group=0)
+    worker = int(proc.stdout.readline())
+    start = time.monotonic()
+    try:
+        stop_child(proc, 0.5, group=group)
+        assert proc.returncode == -signal.SIGKILL and time.monotonic() - start >= 0.5
+        deadline = time.monotonic() + 10
+        while group and _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)  # killed with the group; reaped by init once its parent is gone
+        assert _alive(worker) is not group
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+        proc.stdout.close()
+
+
+def test_stop_child_of_an_exited_child_only_reaps_it() -> None:
+    from tirl.lifetime import stop_child
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], process_group=0)
+    while not os.path.exists(f"/proc/{proc.pid}/stat") or _state(proc.pid) != "Z":
+        time.sleep(0.01)
+    stop_child(proc, 5, group=True)  # exited before the call: reaped, no signal to a gone group
+    assert proc.returncode == 0
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped, not a zombie waiting for its reaper."""
+    try:
+        return _state(pid) != "Z"
+    except FileNotFoundError:
+        return False

@@ -16,6 +16,8 @@ A command marks itself with `children_die_with_me()` (tirl.cli.main); then:
 Linux sends the signal when the *thread* that started the child exits: tirl starts engines, sandboxes
 and reward workers from threads that live as long as they do.
 
+`stop_child()` is how a command ends a child it started: SIGTERM, then SIGKILL after a grace period.
+
 `quiet_third_party()` keeps a command's output its own (library warnings off unless --verbose); the
 children learn it from $TIRL_QUIET when they import tirl.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 
 ENV = "TIRL_PARENT_PID"
 
@@ -71,6 +74,24 @@ _QUIET = {
     "TQDM_DISABLE": "1",  # "Loading safetensors checkpoint shards" bars in vLLM's workers
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
+
+
+def stop_child(proc: subprocess.Popen, grace_s: float, group: bool = False) -> None:
+    """SIGTERM to `proc` (with `group`, to its whole process group: a server's own workers), SIGKILL
+    after `grace_s` if it has not exited; reaped on return."""
+    if proc.poll() is not None:
+        return
+
+    def send(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it exited between the check and the signal
+            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+
+    send(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait()
 
 
 def quiet_third_party(verbose: bool = False) -> None:

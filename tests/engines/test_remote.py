@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -28,7 +27,7 @@ from tirl.engines.base import Engine, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
 from tirl.engines.remote import NoLiveServerError, build_server_engines
 from tirl.engines.scheduler import RolloutScheduler
-from tirl.lifetime import die_with_parent
+from tirl.lifetime import die_with_parent, stop_child
 from tirl.ports import free_port
 
 START_TIMEOUT_S = 900.0  # vLLM-CPU start-up beside other test runs on 2 cores (40 s when idle)
@@ -64,7 +63,7 @@ def server(tiny_model_dir, tmp_path_factory):
         wait_healthy(url, proc, log_path)
         yield url
     finally:
-        stop(proc)
+        stop_child(proc, 30, group=True)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path) -> None:
@@ -79,16 +78,6 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path) -> None:
             pass
         time.sleep(1.0)
     raise RuntimeError(f"vllm serve not up within {START_TIMEOUT_S:g} s:\n{log_path.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 class Relay:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from tirl.devices import resolve_device
 from tirl.engines.base import Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
 from tirl.engines.remote import ServerEngine, ServerExited
+from tirl.lifetime import stop_child
 from tirl.ports import free_port
 
 INSTALL_HINT = (
@@ -182,13 +182,8 @@ class SGLangEngine:
 
     def _stop_server(self, keep_weights: bool = False) -> None:
         proc = getattr(self, "_proc", None)  # None: Popen itself failed
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        if proc is not None:
+            stop_child(proc, 30, group=True)
         if not keep_weights:
             shutil.rmtree(self._weights, ignore_errors=True)
 

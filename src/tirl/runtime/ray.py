@@ -42,6 +42,7 @@ from tirl.distributed.weight_sync import SyncChannel, SyncGroup, WorkerReceiver,
 from tirl.engines.base import Generation, GroupReceiver, KVCapacity, SamplingParams, StagedWake
 from tirl.engines.fleet import EngineFleet
 from tirl.engines.vllm import WeightSyncExtension
+from tirl.lifetime import stop_child
 from tirl.ports import free_port
 from tirl.runtime.base import Runtime
 from tirl.runtime.config import ClusterConfig
@@ -306,13 +307,8 @@ class SandboxNode:
             return False
 
     def _stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_child(self.proc, 15)
 
     def stop(self) -> None:
         self._stop()

@@ -156,12 +156,7 @@ async def _local_service(cfg: SandboxConfig) -> AsyncIterator[SandboxClient]:
         async with cfg.client([url], token) as client:
             yield client
     finally:
-        proc.terminate()
-        try:
-            await asyncio.to_thread(proc.wait, 15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            await asyncio.to_thread(proc.wait)
+        await asyncio.to_thread(lifetime.stop_child, proc, 15)
 
 
 @contextlib.asynccontextmanager
