@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 CHROMIUM := apt-get install -y -q --no-install-recommends chromium
 browser:
 	@command -v chromium >/dev/null || $(CHROMIUM) || (apt-get update -q && $(CHROMIUM)) \
-		|| echo "warning: chromium is missing: the viewer's browser tests will be skipped"
+		|| echo "warning: chromium is missing: the browser tests will be skipped (under CI=true: fail)"
 
 test: install browser
 	@# two xdist workers (tests/conftest.py groups tests that share a setup); the 25 slowest tests,
