@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 from tests.engines.vllm_server import vllm_serve_command
-from tests.logprobs import reference_logprobs
+from tests.logprobs import check_seeded_with_reference_logprobs, reference_logprobs
 
 from tirl.engines.base import Engine, SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
@@ -156,19 +156,7 @@ def test_is_an_engine_with_the_servers_kv_capacity(engine):
 
 
 async def test_token_ids_in_and_out_seeded_with_logprobs_of_the_model(engine, prompt, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    params = SamplingParams(temperature=1.0, max_tokens=24, seed=7)
-    first, again, other = await asyncio.gather(
-        engine.generate(prompt, params),
-        engine.generate(prompt, params),
-        engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=24, seed=8)),
-    )
-    assert first.token_ids == again.token_ids and first.token_ids != other.token_ids
-    assert len(first.logprobs) == len(first.token_ids) and first.finish_reason in ("stop", "length")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    ref = reference_logprobs(model, prompt, first.token_ids)
-    torch.testing.assert_close(torch.tensor(first.logprobs), ref, atol=1e-3, rtol=0)
+    await check_seeded_with_reference_logprobs(engine, prompt, tiny_model_dir)
 
 
 async def test_temperature_and_top_p_logprobs_are_the_sampling_distributions(engine, prompt, tiny_model_dir):

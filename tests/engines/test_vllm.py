@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from tests.logprobs import reference_logprobs
+from tests.logprobs import check_seeded_with_reference_logprobs, reference_logprobs
 
 from tirl.engines.base import Engine, SamplingParams
 from tirl.engines.config import EngineConfig
@@ -142,19 +142,7 @@ def test_is_an_engine_with_capacity(engine):
 
 
 async def test_generate_is_seeded_and_logprobs_match_transformers(engine, prompt, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    params = SamplingParams(temperature=1.0, max_tokens=24, seed=7)
-    first, again, other = await asyncio.gather(
-        engine.generate(prompt, params),
-        engine.generate(prompt, params),
-        engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=24, seed=8)),
-    )
-    assert first.token_ids == again.token_ids and first.token_ids != other.token_ids
-    assert len(first.logprobs) == len(first.token_ids) and first.finish_reason in ("stop", "length")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    ref = reference_logprobs(model, prompt, first.token_ids)
-    torch.testing.assert_close(torch.tensor(first.logprobs), ref, atol=1e-3, rtol=0)
+    await check_seeded_with_reference_logprobs(engine, prompt, tiny_model_dir)
 
 
 async def test_stop_string_and_stop_token_end_the_turn(engine, prompt, tokenizer):
