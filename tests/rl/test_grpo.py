@@ -15,6 +15,7 @@ def test_group_advantages_by_hand():
     # rewards 1,0,0,0: mean 0.25, unbiased std sqrt(0.25) = 0.5
     adv = group_advantages([1, 0, 0, 0], eps=0.0)
     assert adv == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    assert group_advantages([1, 0, 0, 0]) == pytest.approx(adv, rel=1e-5)  # the default eps is tiny
     assert group_advantages([1, 0, 0, 0], normalize_std=False) == pytest.approx([0.75, -0.25, -0.25, -0.25])
     assert group_advantages([1, 1, 1]) == [0.0, 0.0, 0.0]  # no relative signal
     assert group_advantages([0.0]) == [0.0]
@@ -75,6 +76,20 @@ def test_micro_batches_with_global_denominator_add_up():
         for i in (0, 2)
     )
     assert float(parts) == pytest.approx(float(whole))
+    # sequence normalization: the whole batch's number of trajectories is the denominator
+    whole = policy_loss(lp, old, adv, mask, normalization="sequence")
+    parts = sum(
+        policy_loss(
+            lp[i : i + 2],
+            old[i : i + 2],
+            adv[i : i + 2],
+            mask[i : i + 2],
+            normalization="sequence",
+            denominator=4,
+        )
+        for i in (0, 2)
+    )
+    assert float(parts) == pytest.approx(float(whole))
 
 
 def test_empty_mask_gives_zero_loss():
@@ -111,6 +126,9 @@ def test_defaults_are_the_papers_clip_higher_and_ratios_are_new_over_old():
     assert clip_counts(_of_ratios(0.5, 1.1, 1.5), z, torch.ones(1), ones) == (0, 1)  # only 1.5 > 1.28
     # a token whose advantage is 0 (or positive) is never clipped low, one whose advantage is 0 never high
     assert clip_counts(_of_ratios(0.5, 0.5, 1.5), z, torch.tensor([[0.0, 0.5, 0.0]]), ones) == (0, 0)
+    # both bounds are the caller's: low 1 - 0.6 = 0.4 clips nothing, high 1 + 0.05 clips 1.1 and 1.5
+    assert clip_counts(_of_ratios(0.5, 1.1, 1.5), z, -torch.ones(1), ones, 0.6, 0.05) == (0, 0)
+    assert clip_counts(_of_ratios(0.5, 1.1, 1.5), z, torch.ones(1), ones, 0.6, 0.05) == (0, 2)
 
 
 def test_per_token_advantages_and_extreme_ratios():
@@ -134,6 +152,7 @@ def test_masked_sum_defaults_sequence_denominator_and_errors():
     assert float(masked_sum(values, mask)) == pytest.approx(3.0)  # token mean: (1 + 3 + 5) / 3
     assert float(masked_sum(values, mask, "sequence")) == pytest.approx((2.0 + 5.0) / 2)
     assert float(masked_sum(values, mask, "sequence", denominator=7)) == pytest.approx(1.0)
+    assert float(masked_sum(values, mask, denominator=9)) == pytest.approx(1.0)  # token sum 9 / 9
     assert float(masked_sum(values[:1], mask[:1], "sequence")) == pytest.approx(2.0)  # one sequence
     with pytest.raises(ValueError, match="unknown loss normalization 'seq'"):
         masked_sum(values, mask, "seq")

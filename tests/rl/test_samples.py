@@ -45,6 +45,8 @@ def test_hand_built_multi_turn_trajectory_is_aligned():
     assert b.loss_mask == a.loss_mask and a.num_trained == 5
     [c, d] = build_samples([[right, wrong]], [[1, 0]], advantage="grpo")  # kept order is sample order
     assert (c.advantage, d.advantage) == pytest.approx((-(2**-0.5), 2**-0.5), abs=1e-5)
+    [e, f] = build_samples([[right, wrong]], [[1, 0]])  # the default is the paper's "grpo"
+    assert (e.advantage, f.advantage) == (c.advantage, d.advantage)
 
 
 def test_only_kept_members_become_samples():
@@ -56,6 +58,17 @@ def test_only_kept_members_become_samples():
     assert [s.advantage for s in samples] == pytest.approx([0.5])
     with pytest.raises(ValueError):  # one kept-index list per group, no silent truncation
         build_samples([group, group], [[0, 1]], advantage="dr_grpo")
+
+
+def test_engine_gap_sums_the_trained_tokens_differences_and_is_zero_when_a_side_is_missing():
+    """|old - engine| summed over trained tokens only; a sample without engine log-probs (an engine
+    that returns none) or before its old log-probs are computed has no gap to add (0, not an error)."""
+    s = TrainSample([1, 2, 3, 4], [1, 1, 0], engine_logprobs=[-0.5, -1.0, -9.0])
+    s.old_logprobs = torch.tensor([-0.25, -2.0, 0.0])
+    assert engine_gap(s) == pytest.approx(0.25 + 1.0)  # the untrained third token's 9.0 is not counted
+    assert engine_gap(TrainSample([1, 2], [1], engine_logprobs=[-0.5])) == 0.0  # no old log-probs yet
+    s.engine_logprobs = None
+    assert engine_gap(s) == 0.0
 
 
 @pytest.fixture(scope="module")
