@@ -56,6 +56,15 @@ def test_boxed_inside_tool_responses_never_counts():
     )
 
 
+def test_a_box_whose_argument_is_tool_output_has_no_answer():
+    """A tool response is cut out, not replaced: a bare `\\boxed` followed by one (closed, or cut off by
+    the length budget) is an empty box, in a transcript, an answer block and the model's turns."""
+    assert extract_answer("the answer is \\boxed <tool_response>5") is None
+    assert extract_answer("<answer>\\boxed <tool_response>5</tool_response></answer>") is None
+    assert extract_answer(["the answer is \\boxed <tool_response>5</tool_response>"]) is None
+    assert extract_answer(["<answer>\\boxed <tool_response>5</tool_response>", "</answer>"]) is None
+
+
 def test_fallback_uses_only_the_final_turn():
     # A box the model wrote before a tool call is not its final answer.
     response = "guess \\boxed{1}" + TOOL + "<|im_start|>assistant\nthe result is clear now."
