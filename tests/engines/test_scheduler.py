@@ -47,6 +47,11 @@ def test_reservation_follows_real_growth_above_the_floor():
     assert policy.queue  # ... so a finished trajectory's 1000 tokens no longer admit the waiting one
     policy.release("t0")
     assert not policy.queue and policy.engine_of("t8") == 0
+    # the floor rounds up, to one token at the least: a 1-token budget reserves 1 token, not 0 or 2
+    tiny = Admission(1, "dynamic", reserve=0.25)
+    tiny.set_budget(0, 10)
+    assert tiny.submit("a", "g", 1) == 0 and tiny.submit("b", "g", 5) == 0
+    assert tiny.slots[0].reserved == 1 + 2  # ceil(0.25 * 1) = 1, ceil(0.25 * 5) = 2
 
 
 def test_withdrawn_ticket_is_not_placed():
