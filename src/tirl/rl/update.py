@@ -40,9 +40,8 @@ def engine_gap(sample: TrainSample) -> float:
     """Sum over trained tokens of |engine log-prob - trainer log-prob| (needs old_logprobs)."""
     if sample.engine_logprobs is None or sample.old_logprobs is None:
         return 0.0
-    mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
-    engine = torch.tensor(sample.engine_logprobs, dtype=torch.float32)
-    return float(((sample.old_logprobs - engine).abs() * mask).sum())
+    gap = (sample.old_logprobs - torch.tensor(sample.engine_logprobs)).abs()
+    return float(gap[torch.tensor(sample.loss_mask, dtype=torch.bool)].sum())
 
 
 def grpo_update(policy: Policy, samples: list[TrainSample] | Shard, alg: AlgorithmConfig) -> dict:
