@@ -77,6 +77,7 @@ async def test_tool_call_then_answer_in_token_space(pool, tokenizer, sandbox, ta
         ("turn", {"turn": 1, "text": turns[1], "finish_reason": "stop"}),
         ("finish", {"finish_reason": "answered", "error": ""}),
     ]
+    assert traj.model_turns == turns  # what the reward reads: the model's own turns, no tool output
     [record] = traj.tool_calls
     assert (record.turn, record.code, record.tool) == (0, code, tool) and record.wall_ms >= SLOW_S * 1000
 
