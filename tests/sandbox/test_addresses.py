@@ -45,15 +45,15 @@ async def test_real_object_addresses_are_numbered_by_first_appearance():
     async with light_pool() as sb:
         first = await answer(sb.run, code)
         assert first == (
-            "<function f at 0x000000000001> <object object at 0x000000000002> "
-            "<function f at 0x000000000001> <generator object <genexpr> at 0x000000000003>\n[ok]"
+            "<function f at 0x#1> <object object at 0x#2> "
+            "<function f at 0x#1> <generator object <genexpr> at 0x#3>\n[ok]"
         ), first
         mixed = await answer(sb.run, f"o = object()\nprint(o, '<x at {hex(COMPUTED[2])}>')")
-        assert mixed == f"<object object at 0x000000000001> <x at {hex(COMPUTED[2])}>\n[ok]", mixed
+        assert mixed == f"<object object at 0x#1> <x at {hex(COMPUTED[2])}>\n[ok]", mixed
         async with await sb.open_session() as session:
             await session.run("class A:\n    pass")
             cell = await answer(session.run, f"print(A(), 'peak at {hex(COMPUTED[3])}>')")
-            assert cell == f"<__main__.A object at 0x000000000001> peak at {hex(COMPUTED[3])}>\n[ok]", cell
+            assert cell == f"<__main__.A object at 0x#1> peak at {hex(COMPUTED[3])}>\n[ok]", cell
 
 
 def test_without_a_report_only_a_reprs_shape_is_renumbered():
@@ -61,8 +61,20 @@ def test_without_a_report_only_a_reprs_shape_is_renumbered():
     from tirl.sandbox.addresses import stable_addresses
 
     text = "<f at 0x7f3a12345678> peak at 0x7f3a12345678 <g at 0x5000> <h at 0x7f3a12345679>"
-    assert (
-        stable_addresses(text)
-        == "<f at 0x000000000001> peak at 0x7f3a12345678 <g at 0x5000> <h at 0x7f3a12345679>"
-    )
+    assert stable_addresses(text) == "<f at 0x#1> peak at 0x7f3a12345678 <g at 0x5000> <h at 0x7f3a12345679>"
     assert stable_addresses(text, []) == text, "the process said none of them is an address"
+
+
+@session_loop
+async def test_a_renumbered_address_never_equals_a_literal_the_program_printed():
+    """Round 5, item 8: 0x000000000002 was both the second object's number and a literal the program
+    printed, so two different values reached the model as one token."""
+    code = "a, b = object(), object()\nprint(a, b, 'then 0x000000000002 and 0x#2 and 0x##1')"
+    async with light_pool() as sb:
+        text = await answer(sb.run, code)
+    objects, literals = text.split(" then ")
+    first, second = (part.removesuffix(">") for part in objects.split(" at ")[1:])
+    assert first != second
+    assert literals == "0x000000000002 and 0x#2 and 0x##1\n[ok]", text
+    for number in (first, second):
+        assert number not in literals.split(), (number, text)

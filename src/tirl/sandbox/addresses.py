@@ -56,16 +56,21 @@ def _is_mapped(address: int, mappings: list[tuple[int, int]]) -> bool:
 
 
 def stable_addresses(text: str, addresses: Collection[str] | None = None) -> str:
-    """`text` with its object addresses numbered by first appearance (0x000000000001, ...): one object
+    """`text` with its object addresses numbered by first appearance (0x#1, 0x#2, ...): one object
     keeps one number within a text, and a value the program computed stays as it is.
+
+    The number's form is one no hex formatting writes (`#` is not a digit), and if the text already
+    holds it (a program printed `0x#` on purpose), more `#` are used until it does not: so a
+    renumbered address never equals anything the program printed (0x000000000002 could).
 
     `addresses`: the ones the printing process reported (`ExecResult.extra["addresses"]`); None when
     it noted none (the text came around Python's streams, or from an older service): then only
     numbers shaped like a repr's address are renumbered."""
     numbers: dict[str, str] = {}
+    mark = renumber_mark(text)
 
     def number(m: re.Match[str]) -> str:
-        return numbers.setdefault(m.group(), f"0x{len(numbers) + 1:012x}")
+        return numbers.setdefault(m.group(), f"{mark}{len(numbers) + 1}")
 
     if addresses is None:
         return _REPR_SHAPE.sub(lambda m: number(m) if _pointer_like(m.group()) else m.group(), text)
@@ -73,6 +78,14 @@ def stable_addresses(text: str, addresses: Collection[str] | None = None) -> str
         return text
     real = set(addresses)
     return AFTER_AT.sub(lambda m: number(m) if m.group() in real else m.group(), text)
+
+
+def renumber_mark(text: str) -> str:
+    """`0x#`, or `0x##`, ...: the shortest such prefix that `text` does not already contain."""
+    mark = "0x#"
+    while mark in text:
+        mark += "#"
+    return mark
 
 
 def _pointer_like(hex_text: str) -> bool:
