@@ -109,3 +109,45 @@ def test_room_taken_after_the_check_is_the_same_error_not_a_sigbus(learner, tmp_
     with pytest.raises(OSError, match=r"weight sync needs .* GiB in .*TIRL_WEIGHTS_DIR"):
         learner.sync_weights(_runtime([engine]))
     assert not engine.handoffs and not os.listdir(tmp_path)
+
+
+def test_the_gpu_buffer_is_allocated_on_plain_segments_and_collected_after(monkeypatch):
+    """Issue 68, fix 1: the trainer runs on expandable segments, whose CUDA IPC handle the engine's
+    worker could only open with pidfd_getfd (refused by default container seccomp profiles). The buffer
+    is allocated with them off, the setting restored at once, and ipc_collect runs once it is released.
+    (CUDA recorded, not run: the allocator calls are what is tested.)"""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    events: list[str] = []
+    real_empty = torch.empty
+
+    def empty(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            events.append("allocate")
+            return real_empty(*args, **kwargs)
+        return real_empty(*args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", events.append)
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: events.append("ipc_collect"))
+    plan, nbytes = handoff_module.flat_layout([("w", (4,), torch.float32)], torch.bfloat16)
+    with handoff_module.flat_handoff(plan, nbytes, torch.device("cuda", 0)) as handoff:
+        events.append("load")
+        assert handoff.path is None and handoff.nbytes == nbytes
+    assert events == [
+        "expandable_segments:False",
+        "allocate",
+        "expandable_segments:True",
+        "load",
+        "ipc_collect",
+    ]
+    assert handoff.buf.numel() == 0  # no reference left to the IPC-shared block
+
+
+def test_without_expandable_segments_the_allocator_is_left_alone(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    with handoff_module.ipc_shareable():
+        pass
+    assert calls == []

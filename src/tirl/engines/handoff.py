@@ -4,6 +4,10 @@ opened by every in-process engine's worker without a copy: device memory shared 
 
 A tmpfs fills silently and a write past its room is a SIGBUS, so the file's pages are reserved
 (`posix_fallocate`) before anything maps it: too little room is the error that says how to fix it.
+
+The GPU buffer comes from plain cudaMalloc segments even where the trainer runs on expandable segments
+(tirl.distributed.groups.use_expandable_segments): the IPC handle of an expandable segment is opened
+with pidfd_getfd, which default container seccomp profiles and pods without ptrace rights refuse.
 """
 
 from __future__ import annotations
@@ -95,12 +99,41 @@ def reserve(fd: int, nbytes: int, directory: str) -> None:
         os.ftruncate(fd, nbytes)  # a filesystem without fallocate: the check above is all there is
 
 
+def expandable_segments_on() -> bool:
+    """Whether this process's CUDA allocator was set to expandable segments (by the environment, which
+    use_expandable_segments writes too)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+@contextmanager
+def ipc_shareable() -> Iterator[None]:
+    """CUDA allocations made meanwhile come from plain segments, whose IPC handle another process opens
+    without pidfd_getfd; the allocator's setting is restored right after (the training keeps its own)."""
+    if not expandable_segments_on():
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 @contextmanager
 def flat_handoff(plan: list[FlatEntry], nbytes: int, device: torch.device) -> Iterator[FlatHandoff]:
     """An empty buffer for `plan`: in `device`'s memory when it is a GPU, else one shared file (checked,
     reserved, mapped; removed on exit)."""
     if device.type == "cuda":
-        yield FlatHandoff(plan, nbytes, torch.empty(nbytes, dtype=torch.uint8, device=device))
+        with ipc_shareable():
+            handoff = FlatHandoff(plan, nbytes, torch.empty(nbytes, dtype=torch.uint8, device=device))
+        try:
+            yield handoff
+        finally:
+            # The buffer released here, and the IPC bookkeeping of blocks the engines' workers opened
+            # and closed with it: without ipc_collect their memory stays reserved until this exits.
+            handoff.buf = torch.empty(0, dtype=torch.uint8)
+            torch.cuda.ipc_collect()
         return
     directory = transfer_dir()
     check_space(directory, nbytes)
