@@ -166,14 +166,35 @@ def test_an_old_checkpoint_is_refused_then_converted_and_resumes_exactly(trained
         load_trainer_state(ckpt)
     result = CliRunner().invoke(app, ["convert-checkpoint", str(run)])
     assert result.exit_code == 0, result.output
-    assert result.output.startswith(f"warning: converting {ckpt / 'trainer_state.pt'} trusts it")
-    assert f"converted {ckpt}" in result.output
+    assert result.output.strip() == f"converted {ckpt}", "no warning: nothing in the file is trusted"
     want_loss, want_params = _one_more_update(live)
     got_loss, got_params = _one_more_update(_resumed(ckpt))
     assert got_loss == want_loss
     assert all(torch.equal(g, w) for g, w in zip(got_params, want_params, strict=True))
     again = CliRunner().invoke(app, ["convert-checkpoint", str(ckpt)])
     assert again.exit_code == 0 and "nothing to convert" in again.output
+
+
+def test_convert_checkpoint_refuses_a_trainer_state_that_runs_code(trained, tmp_path):
+    """Round 5, item 3: the converter unpickled anything after one warning line; now it reads old states
+    with a restricted unpickler (tensors, plain values, numpy arrays), so the code never runs."""
+    run, _ = trained
+    ckpt = latest_checkpoint(run)
+    marker = tmp_path / "ran"
+    _old_trainer_state(ckpt)
+    _rewrite_state_unsafe(ckpt, lambda s: s.update(extra=_WritesMarker(marker)))
+    result = CliRunner().invoke(app, ["convert-checkpoint", str(run)])
+    assert result.exit_code == 2, result.output
+    assert "not converted: it names exec" in result.output, result.output
+    assert not marker.exists(), "the converter ran code from the checkpoint"
+
+
+def _rewrite_state_unsafe(ckpt: Path, change) -> None:
+    """Rewrite an old-format state (which needs numpy to load): the test's own file, trusted."""
+    path = ckpt / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
 
 
 def test_a_checkpoint_from_before_sharded_checkpoints_is_converted_and_resumes_exactly(trained):

@@ -3,25 +3,39 @@
 Checkpoints load without unpickling arbitrary objects (tirl.rl.checkpoint.load_trainer_state,
 tirl.distributed.checkpoint_reader). Older ones do not pass: their trainer_state.pt holds numpy's RNG
 key as an ndarray (a pickled numpy object), and those from before sharded checkpoints hold the whole
-optimizer state in it. This module is the one place tirl unpickles a checkpoint file with any object
-allowed, so it says first that it trusts the file: unpickling runs whatever the file names.
+optimizer state in it. Both hold only tensors, plain values and numpy arrays, so the converter reads
+them with torch's restricted unpickler (weights_only) allowing, beyond its own, only the few numpy
+functions that rebuild an array, a dtype or a scalar from bytes: a file that names anything else
+(`exec`, `os.system`, any class) is refused with one line naming it, and nothing of it runs. (Before,
+the converter unpickled with any object allowed after one warning line.)
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tirl.distributed.checkpoint_reader import CheckpointRefused, unsafe_reason
 from tirl.rl.checkpoint import list_checkpoints, load_trainer_state
 
-TRUST = (
-    "warning: converting {path} trusts it: unpickling it runs any code it names. Convert only "
-    "checkpoints you or tirl wrote."
-)
+# What rebuilds a numpy array, dtype or scalar from its pickled bytes (nothing else runs), under the
+# names numpy 1 (`numpy.core`) and numpy 2 (`numpy._core`) write. An object array's elements go through
+# the same restricted unpickler.
+_MULTIARRAY = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+NUMPY_GLOBALS = [
+    (_MULTIARRAY._reconstruct, "numpy.core.multiarray._reconstruct"),
+    (_MULTIARRAY._reconstruct, "numpy._core.multiarray._reconstruct"),
+    (_MULTIARRAY.scalar, "numpy.core.multiarray.scalar"),
+    (_MULTIARRAY.scalar, "numpy._core.multiarray.scalar"),
+    (np.ndarray, "numpy.ndarray"),
+    (np.dtype, "numpy.dtype"),
+    *((cls, f"numpy.dtypes.{cls.__name__}") for cls in vars(np.dtypes).values() if isinstance(cls, type)),
+]
 
 
 def convert_checkpoints(path: str | Path, say: Callable[[str], object] = print) -> list[Path]:
@@ -51,8 +65,7 @@ def _convert(ckpt: Path, say: Callable[[str], object]) -> bool:
     if _loads_safely(ckpt):
         return False
     state_file = ckpt / "trainer_state.pt"
-    say(TRUST.format(path=state_file))
-    state = torch.load(state_file, map_location="cpu", weights_only=False)  # trusted: see TRUST
+    state = load_old_state(state_file)
     if "optimizer" in state:  # from before sharded checkpoints
         _write_shards(ckpt, state.pop("optimizer"))
     state["rng"] = plain_rng(state["rng"])
@@ -62,6 +75,21 @@ def _convert(ckpt: Path, say: Callable[[str], object]) -> bool:
     load_trainer_state(ckpt)  # the converted file passes the safe load
     say(f"converted {ckpt}")
     return True
+
+
+def load_old_state(state_file: Path) -> dict:
+    """An old trainer state through the restricted unpickler: tensors, plain values, numpy arrays."""
+    try:
+        with torch.serialization.safe_globals(NUMPY_GLOBALS):
+            state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointRefused(
+            f"{state_file}: not converted: {unsafe_reason(e)}. tirl never wrote that into a checkpoint "
+            "(its old ones hold tensors, plain values and numpy arrays only): nothing of it was run"
+        ) from None
+    if not isinstance(state, dict) or "rng" not in state:
+        raise CheckpointRefused(f"{state_file}: not converted: it is not a tirl trainer state")
+    return state
 
 
 def plain_rng(rng: dict) -> dict:
