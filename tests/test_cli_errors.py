@@ -209,3 +209,78 @@ def test_a_stopped_run_with_a_checkpoint_before_the_alerts_goes_on_from_it(
     assert (
         f"  {TIRL} train --config {config} optim.lr=1e-6 model={good} run_name=r-from-step_000010 optim.lr=5e-07"
     ) in done.output
+
+
+def test_config_arguments_are_checked_before_torch_loads():
+    """A missing config file or an override without `=` fails in the time `--help` takes: the check runs
+    before the command imports its schema (and with it torch, seconds of CPU on a small machine)."""
+    probe = (
+        "import sys\n"
+        "from tirl.cli import app\n"
+        "print(app(sys.argv[1:], standalone_mode=False), 'torch' in sys.modules)\n"
+    )
+    train = str(Path(SRC) / "tirl" / "configs" / "demo" / "train.yaml")
+    for args in (["train", "--config", "nope.yaml"], ["sft", "--config", train, "optim.lr"]):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *args], env=tirl_env(), capture_output=True, text=True, timeout=120
+        )
+        assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
+
+
+def test_an_override_error_names_the_command_line_not_the_file():
+    """The file is valid: the error says the command-line override is wrong, and which one."""
+    train = Path(SRC) / "tirl" / "configs" / "demo" / "train.yaml"
+    done = _tirl("train", "--config", str(train), "optim.lrr=1")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: invalid command-line override:",
+        "  optim.lrr: Extra inputs are not permitted (got 1); did you mean 'lr'? (from optim.lrr=1)",
+    ]
+
+
+def test_a_config_error_beside_an_override_names_both(tmp_path):
+    from tirl.config import ConfigError, load_config
+    from tirl.rl.config import TrainConfig
+
+    bad = tmp_path / "train.yaml"
+    bad.write_text("model: m\nstages: [{steps: 1, data: x}]\noptim: {lrr: 1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, bad, ["algorithm.group_size=x"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"invalid config in {bad} and its command-line overrides:"
+    assert any(line.endswith("(from algorithm.group_size=x)") for line in lines)
+    assert any(line.startswith("  optim.lrr:") and "(from" not in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--kind", "foo"], "error: invalid value for '--kind': 'foo': choose one of train, sft, auto"),
+        (["--gpus", "0"], "error: invalid value for '--gpus': 0: a plan needs at least one GPU"),
+        (["--gpu-memory", "0"], "error: invalid value for '--gpu-memory': 0: GiB per GPU must be positive"),
+    ],
+)
+def test_plan_checks_its_own_flags(args, says):
+    config = str(Path(SRC) / "tirl" / "configs" / "rstar2" / "train.yaml")
+    done = _tirl("plan", "--config", config, "--arch", "qwen3-14b", *args)
+    assert done.returncode == 2 and done.stderr.startswith(says) and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_plan_without_arch_for_a_model_not_made_yet_says_to_pass_arch():
+    """The recipe's model (runs/rstar2/sft) exists after SFT: the error names --arch, not `tirl model init`
+    (a tiny model would plan the wrong architecture)."""
+    done = _tirl("plan", "--config", str(Path(SRC) / "tirl" / "configs" / "rstar2" / "train.yaml"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: the config's model runs/rstar2/sft is not a directory (yet): plan")
+    assert "--arch (qwen3-0.6b" in done.stderr and "model init" not in done.stderr
+
+
+def test_plan_says_what_it_measures_and_shows_progress(tiny_model_dir):
+    config = str(Path(SRC) / "tirl" / "configs" / "rstar2" / "train.yaml")
+    done = _tirl("plan", "--config", config, "--arch", str(tiny_model_dir), "--gpus", "1")
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith(f"planning {tiny_model_dir} (") and "on an idle core" in lines[0], lines
+    assert any(
+        line.startswith("  measured a training step of 2 x 16384 tokens per micro-batch") for line in lines
+    )
+    assert "FITS" in done.stdout or "DOES NOT FIT" in done.stdout, done.stdout

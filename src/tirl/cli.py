@@ -425,6 +425,7 @@ def train(
 
     Multi-GPU/multi-process: torchrun --nproc_per_node=N -m tirl.cli train --config ...
     """
+    _check_config_args(config, ctx.args)
     from tirl.rl.config import TrainConfig
     from tirl.rl.preflight import preflight_train
     from tirl.rl.trainer import run_training
@@ -435,6 +436,20 @@ def train(
         return [*preflight_train(cfg, resume), *_memory_preflight(cfg, config, ctx.args, "train")]
 
     _run_from_config("train", TrainConfig, run_training, config, ctx.args, resume, progress, check=check)
+
+
+def _check_config_args(config: str, overrides: list[str]) -> None:
+    """Exit with one error line when the config file is missing or not YAML, or an override is not
+    `key.path=value`: checked before the command imports its config schema, which imports torch
+    (seconds of CPU on a small machine). The schema's own checks follow once it is loaded."""
+    from tirl.config import ConfigError, parse_override, read_yaml
+
+    try:
+        read_yaml(config)
+        for item in overrides:
+            parse_override(item)
+    except ConfigError as e:
+        _fail(e)
 
 
 def _memory_preflight(cfg, config: str, overrides: list[str], kind: str) -> list[str]:
@@ -539,6 +554,7 @@ def sft(
 ) -> None:
     """Supervised fine-tuning on chat JSONL (loss on assistant tokens). Extra `key.path=value` arguments
     override the config; a number picks a list entry: data.0=FILE."""
+    _check_config_args(config, ctx.args)
     from tirl.rl.config import SFTConfig
     from tirl.rl.sft import run_sft
 
@@ -591,6 +607,12 @@ def demo(
         "--quick",
         help="A shorter preset (src/tirl/configs/demo/quick.yaml): less data, fewer RL steps.",
     ),
+    real: str | None = typer.Option(
+        None,
+        "--real",
+        help="Start from a pretrained model directory instead of the tiny model (configs/demo/real.yaml; "
+        "`make smollm2` makes SmolLM2-135M-Instruct's): base eval, tool SFT, GRPO-RoC; --out runs/real.",
+    ),
     progress: bool = typer.Option(True, "--progress/--quiet"),
     verbose: bool = VERBOSE,
 ) -> None:
@@ -600,11 +622,14 @@ def demo(
     agent, drills, sft, train, eval), e.g. demo.rl_steps=5 or train.stages.0.steps=5.
     """
     from tirl.config import ConfigError
-    from tirl.demo import DemoError, DemoShortfall, quick_overrides, run_demo, run_demo_seeds
+    from tirl.demo import DemoError, DemoShortfall, quick_overrides, real_overrides, run_demo, run_demo_seeds
 
     quiet_libraries(verbose)
     try:
-        overrides = [*(quick_overrides() if quick else []), *ctx.args]
+        if real is not None and out == "runs/demo":
+            out = "runs/real"  # the tiny demo's directory stays as it was
+        presets = [*(quick_overrides() if quick else []), *(real_overrides(real) if real else [])]
+        overrides = [*presets, *ctx.args]
         if demo_seeds and (compare or seeds != 1):
             raise ConfigError(
                 "--demo-seeds runs whole demos, one RL run each: give it without --compare/--seeds"
@@ -621,6 +646,7 @@ def demo(
         options = ["--out", out, *(["--compare", compare] if compare else []), "--seeds", str(seeds)]
         options += [
             *(["--quick"] if quick else []),
+            *(["--real", real] if real else []),
             *(["--demo-seeds", str(demo_seeds)] if demo_seeds else []),
         ]
         again = shlex.join([*tirl_command(), "demo", *options, *ctx.args, "--resume"])
@@ -787,27 +813,67 @@ def plan_command(
     --largest answers what fits this budget instead (docs/memory-plan.md). Extra `key.path=value` override."""
     import json
 
+    _check_plan_flags(kind, gpus, gpu_memory)
+    _check_config_args(config, ctx.args)
     from tirl.config import ConfigError, load_config, read_yaml
     from tirl.rl.config import SFTConfig, TrainConfig
     from tirl.rl.plan import GiB, cluster_of
-    from tirl.rl.planner import largest_for_config, plan_for_config
+    from tirl.rl.planner import LARGEST, announce, largest_for_config, plan_for_config, reporting
+
+    if largest is not None and largest not in LARGEST:
+        raise typer.BadParameter(f"{largest!r}: choose one of {', '.join(LARGEST)}", param_hint="'--largest'")
 
     try:
         if kind == "auto":
             kind = "train" if "stages" in read_yaml(config) else "sft"
         cfg = load_config(TrainConfig if kind == "train" else SFTConfig, config, ctx.args)
+        _check_plan_model(cfg.model, arch)
         cluster = cluster_of(cfg, gpus, int(gpu_memory * GiB), colocate, trainer_offload)
-        if largest is not None:
-            answer, plan = largest_for_config(cfg, cluster, largest, arch)
-            typer.echo(answer)
-        else:
-            plan = plan_for_config(cfg, cluster, arch)
+        with reporting(lambda line: typer.echo(line, err=True)):
+            typer.echo(announce(cfg, cluster, arch, largest), err=True)
+            if largest is not None:
+                answer, plan = largest_for_config(cfg, cluster, largest, arch)
+                typer.echo(answer)
+            else:
+                plan = plan_for_config(cfg, cluster, arch)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         _fail(e)
     if plan is not None:
         typer.echo(json.dumps(plan.as_dict(), default=str, indent=1) if as_json else "\n".join(plan.lines()))
     if plan is None or not plan.fits:
         raise typer.Exit(1)
+
+
+PLAN_KINDS = ("train", "sft", "auto")
+
+
+def _check_plan_flags(kind: str, gpus: int, gpu_memory: float) -> None:
+    """`tirl plan`'s own flags, before anything is imported or measured."""
+    if kind not in PLAN_KINDS:
+        raise typer.BadParameter(f"{kind!r}: choose one of {', '.join(PLAN_KINDS)}", param_hint="'--kind'")
+    if gpus < 1:
+        raise typer.BadParameter(f"{gpus}: a plan needs at least one GPU", param_hint="'--gpus'")
+    if gpu_memory <= 0:
+        raise typer.BadParameter(f"{gpu_memory:g}: GiB per GPU must be positive", param_hint="'--gpu-memory'")
+
+
+def _check_plan_model(model: str, arch: str | None) -> None:
+    """Without --arch the plan reads the config's `model`; the recipe's (runs/rstar2/sft) exists only after
+    SFT, so say how to plan before it exists (a tiny model from `tirl model init` would plan the wrong one)."""
+    from pathlib import Path
+
+    from tirl.rl.checkpoint import resolve_model_path
+    from tirl.rl.plan import ARCHITECTURES
+
+    if arch is not None or model in ARCHITECTURES or Path(model).expanduser().is_dir():
+        return
+    try:
+        resolve_model_path(model)  # a Hugging Face id passes; a local path that does not exist does not
+    except FileNotFoundError:
+        raise ValueError(
+            f"the config's model {model} is not a directory (yet): plan its architecture with --arch "
+            f"({', '.join(ARCHITECTURES)}) or --arch MODEL_DIR (any directory with a config.json)"
+        ) from None
 
 
 def main() -> None:

@@ -79,21 +79,27 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Apply `a.b.c=value` overrides; values are parsed as YAML scalars/lists (`lr=1e-6`, `xs=[1,2]`).
     A number indexes a list: `stages.0.steps=3` sets the first stage's steps."""
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} must look like key.path=value")
-        if not raw.strip():
-            raise ConfigError(f"override {item!r} has no value: write {key.strip()}=VALUE")
-        try:
-            value = parse_yaml(raw)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: cannot parse value: {_yaml_problem(e)}") from e
-        *parents, leaf = key.strip().split(".")
+        key, value = parse_override(item)
+        *parents, leaf = key.split(".")
         node: Any = data
         for depth, part in enumerate(parents):
             node = _child(node, part, item, ".".join(parents[: depth + 1]))
-        _set(node, leaf, value, item, key.strip())
+        _set(node, leaf, value, item, key)
     return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """(key path, value) of one `a.b.c=value` override, or a ConfigError; needs no schema, so a command
+    checks its overrides before it imports what validating them needs (torch, for a training config)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    if not raw.strip():
+        raise ConfigError(f"override {item!r} has no value: write {key.strip()}=VALUE")
+    try:
+        return key.strip(), parse_yaml(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: cannot parse value: {_yaml_problem(e)}") from e
 
 
 def _index(node: list, part: str, item: str, path: str) -> int:
@@ -167,18 +173,40 @@ def load_config(model: type[M], path: str | Path | None = None, overrides: list[
     data = read_yaml(path) if path is not None else {}
     if path is not None:
         data = include_sections(model, data, Path(path).parent, Path(path))
-    data = apply_overrides(data, list(overrides or []))
+    overrides = list(overrides or [])
+    data = apply_overrides(data, overrides)
     data = include_sections(model, data, Path.cwd())  # `cluster=path/to/cluster.yaml` on the command line
-    return validate(model, data, f" in {path}" if path else "")
+    typed = {item.partition("=")[0].strip(): item for item in overrides}
+    return validate(model, data, f" in {path}" if path else "", typed)
 
 
-def validate(model: type[M], data: dict[str, Any], where: str = "") -> M:
-    """model.model_validate with the errors as one ConfigError naming each bad key."""
+def validate(model: type[M], data: dict[str, Any], where: str = "", typed: dict[str, str] | None = None) -> M:
+    """model.model_validate with the errors as one ConfigError naming each bad key. `typed` maps the
+    key paths given on the command line to their `key=value`: an error in one of them is the command
+    line's, not the file's, and says so."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {_message(err, model)}" for err in e.errors()]
-        raise ConfigError(f"invalid config{where}:\n" + "\n".join(lines)) from e
+        lines, from_line = [], 0
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            item = _typed_override(key, typed or {})
+            from_line += item is not None
+            shown = f" (from {item})" if item else ""
+            lines.append(f"  {key}: {_message(err, model)}{shown}")
+        raise ConfigError(_invalid_header(where, from_line, len(lines)) + "\n".join(lines)) from e
+
+
+def _typed_override(key: str, typed: dict[str, str]) -> str | None:
+    """The command-line `key=value` that set `key` (itself or a section above it), or None."""
+    owners = [k for k in typed if key == k or key.startswith(f"{k}.")]
+    return typed[max(owners, key=len)] if owners else None
+
+
+def _invalid_header(where: str, from_line: int, errors: int) -> str:
+    if from_line == errors:  # the file itself is valid: naming it would send the user to the wrong place
+        return f"invalid command-line override{'s' if errors > 1 else ''}:\n"
+    return f"invalid config{where}{' and its command-line overrides' if from_line else ''}:\n"
 
 
 def _message(err: dict, model: type[BaseModel]) -> str:

@@ -7,6 +7,11 @@ they sit above the plan and the probe rather than in them.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any
 
@@ -14,7 +19,9 @@ from tirl.rl.memory_probe import measured
 from tirl.rl.plan import (
     QWEN3,
     ClusterShape,
+    GiB,
     Plan,
+    TrainingMemory,
     Workload,
     architecture_config,
     length_key,
@@ -29,11 +36,100 @@ from tirl.rl.plan import (
     workload_of,
 )
 
+# ---- progress: a measurement takes seconds (a tiny model) to minutes (14B on a small machine) ----
+
+_REPORT: ContextVar[Callable[[str], None] | None] = ContextVar("tirl_plan_report", default=None)
+HEARTBEAT_S = 30.0  # how often a running measurement says it is still running
+
+
+@contextmanager
+def reporting(report: Callable[[str], None]) -> Iterator[None]:
+    """Inside, each measurement the planner makes says what it measures while it runs and what it
+    found when done (`tirl plan` prints these to stderr); a repeated one (cached) says nothing."""
+    token = _REPORT.set(report)
+    try:
+        yield
+    finally:
+        _REPORT.reset(token)
+
+
+def describe(workload: Workload, gpus: int) -> str:
+    """One measurement in words: 'a training step of 2 x 16384 tokens per micro-batch on rank 0 of 8'."""
+    sequences, tokens = workload.micro_batch
+    options = [
+        name
+        for name, on in (("gradient checkpointing", workload.gradient_checkpointing), ("LoRA", workload.lora))
+        if on
+    ]
+    where = "one GPU" if gpus == 1 else f"rank 0 of {gpus}"
+    extra = f", {' + '.join(options)}" if options else ""
+    return f"a training step of {sequences} x {tokens} tokens per micro-batch on {where}{extra}"
+
+
+def _measured(config, gpus: int, workload: Workload) -> TrainingMemory:
+    """memory_probe.measured, reported while it runs (see `reporting`)."""
+    report = _REPORT.get()
+    if report is None:
+        return measured(config, gpus, workload)
+    what, started, done = describe(workload, gpus), time.monotonic(), threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(report, what, started, done), daemon=True)
+    beat.start()
+    try:
+        training = measured(config, gpus, workload)
+    finally:
+        done.set()
+        beat.join()
+    elapsed = time.monotonic() - started
+    if elapsed >= 0.05:  # a repeated (cached) measurement returns in microseconds: nothing was measured
+        report(f"  measured {what}: peak {training.peak / GiB:.1f} GiB ({elapsed:.0f} s)")
+    return training
+
+
+def _heartbeat(report: Callable[[str], None], what: str, started: float, done: threading.Event) -> None:
+    """'measuring ...' after a second, then every HEARTBEAT_S, until `done`."""
+    wait = 1.0
+    while not done.wait(wait):
+        report(f"  measuring {what} ... {time.monotonic() - started:.0f} s")
+        wait = HEARTBEAT_S
+
+
+# One measurement's CPU time, from `tirl plan` runs on the project's 2-core machine (docs/memory-plan.md):
+# it grows with the layers (fake tensors: the work is per operation, not per byte).
+SECONDS_PER_LAYER, SECONDS_BASE = 0.6, 2.0
+
+
+def measurement_seconds(config) -> float:
+    """About how long one measurement of `config` takes on an idle core."""
+    return SECONDS_BASE + SECONDS_PER_LAYER * int(getattr(config, "num_hidden_layers", 1))
+
+
+def announce(cfg, cluster: ClusterShape, arch: str | None, largest_what: str | None) -> str:
+    """What `tirl plan` is about to measure and roughly how long it takes, printed before it starts."""
+    spec = arch or cfg.model
+    config = architecture_config(spec)
+    each = measurement_seconds(config)
+    if largest_what is None:
+        count = "one measurement (and one per fix it tries when it does not fit)"
+    else:
+        count = f"one measurement per {largest_what} it tries (about {_CANDIDATES[largest_what]})"
+    return (
+        f"planning {spec} ({getattr(config, 'num_hidden_layers', '?')} layers) on {cluster.gpus} GPU(s) "
+        f"x {cluster.gpu_memory / GiB:.1f} GiB: each measurement runs a training step on fake tensors (no "
+        f"GPU, no weights), about {_duration(each)} on an idle core; {count}"
+    )
+
+
+_CANDIDATES = {"micro-batch": "4", "context": "6", "model": "up to 6, largest first"}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} minutes"
+
 
 def make_plan(config, cluster: ClusterShape, workload: Workload, name: str = "", advise: bool = True) -> Plan:
     """Measure training, size the engines, judge each phase against the GPU's memory, and (`advise`)
     find the config overrides that make a plan that does not fit fit (re-measured: they converge)."""
-    plan = plan_from(config, cluster, workload, name, measured(config, cluster.gpus, workload))
+    plan = plan_from(config, cluster, workload, name, _measured(config, cluster.gpus, workload))
     if advise and not plan.fits:
         plan.fixes = fixes_for(config, plan)
     return plan
@@ -62,7 +158,7 @@ def fixes_for(config, plan: Plan) -> dict[str, str]:
         length = int(engine["max_model_len"])
         workload = replace(w, engine=engine, micro_batch=micro_batch_shape(_tokens(w), length))
         if workload.micro_batch != w.micro_batch:
-            training = measured(config, plan.cluster.gpus, workload)
+            training = _measured(config, plan.cluster.gpus, workload)
     final = plan_from(config, plan.cluster, workload, plan.architecture, training)
     if not training_fits(final):
         found = _training_fix(config, final)
@@ -143,7 +239,7 @@ def _plan_with(config, plan: Plan, workload: Workload) -> Plan:
         plan.cluster,
         workload,
         plan.architecture,
-        measured(config, plan.cluster.gpus, workload),
+        _measured(config, plan.cluster.gpus, workload),
     )
 
 
