@@ -22,7 +22,7 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import yaml
 from pydantic import BaseModel
 
 from tirl.agent.config import AgentConfig
+from tirl.agent.tools import BUILTIN_TOOLS
 from tirl.config import ConfigError, dump_config, ensure_writable_dir, read_yaml, validate
 from tirl.distributed.checkpoint_reader import CheckpointRefused, load_safely, unsafe_reason
 from tirl.rl.model_files import outside_link_message, outside_links
@@ -142,12 +143,30 @@ def _copy_agent_settings(run_config: Path, dest: Path) -> None:
         )
 
 
-def saved_agent_settings(model_path: str | Path) -> tuple[AgentConfig, Path] | None:
-    """The agent settings saved with a model (and their file), or None for a model tirl did not train."""
+def saved_agent_settings(
+    model_path: str | Path, trusted_tools: Collection[str] = ()
+) -> tuple[AgentConfig, Path] | None:
+    """The agent settings saved with a model (and their file), or None for a model tirl did not train.
+
+    A model directory may come from a stranger, so its agent file may name built-in tools only: a
+    `module:attr` tool would be imported, running that module's import-time code. One the user's own
+    config names too (`trusted_tools`) is theirs to trust; any other is refused before anything loads."""
     path = Path(model_path) / AGENT_FILE
     if not path.is_file():
         return None
-    return validate(AgentConfig, read_yaml(path), f" in {path}"), path
+    data = read_yaml(path)
+    tools = data.get("tools")
+    if isinstance(tools, list):
+        foreign = [
+            t for t in tools if not (isinstance(t, str) and t in BUILTIN_TOOLS) and t not in trusted_tools
+        ]
+        if foreign:
+            raise ConfigError(
+                f"{path} names tools that are not built in: {', '.join(map(repr, foreign))}. An agent file "
+                "saved with a model may name built-in tools only (loading one would import its module); if "
+                "you trust it, name the tools in your own agent settings (--agent FILE or agent.tools)"
+            )
+    return validate(AgentConfig, data, f" in {path}"), path
 
 
 # What the model sees of the agent settings: its prompt (system and user text, tools and their schemas,
@@ -161,7 +180,7 @@ PROMPT_FIELDS = (
 def agent_settings_warning(model_path: str | Path, agent: AgentConfig) -> str | None:
     """A warning when `agent` changes what a tirl-trained model saw in training (its prompt, its tools):
     a model follows the protocol it learned, so e.g. a tool it never saw raises its tool-error rate."""
-    saved = saved_agent_settings(model_path)
+    saved = saved_agent_settings(model_path, trusted_tools=agent.tools)
     if saved is None:
         return None
     trained, path = saved
