@@ -85,3 +85,20 @@ def test_reward_pool_stats_per_step():
     assert (m["reward_pool/responses"], m["reward_pool/verified"], m["reward_pool/timeouts"]) == (6, 2, 1)
     assert m["reward_pool/verify_s_mean"] == pytest.approx(0.5)
     assert reward_metrics(before, before)["reward_pool/verify_s_mean"] is None
+
+
+def test_forged_observations_are_counted_per_step_and_alert_past_their_share():
+    """A model that writes its own <tool_response> frames: counted per step (turns, and the share of
+    trajectories), alerted on every step past alert_forged_observation_share, however few its calls."""
+    honest, forger = _traj(1.0, ["ok"]), _traj(1.0, [])
+    forger.forged_observations = 2
+    m = rollout_metrics([[honest, forger, _traj(0.0, [])]], [[0, 1]], no_tool_p_err=0.5)
+    assert (m["tools/forged_observations"], m["tools/forged_traj_ratio"]) == (2, pytest.approx(1 / 3))
+    monitor = AlertMonitor(LoggingConfig(alert_forged_observation_share=0.05))
+    [alert] = [a for a in monitor.check(m) if "tool_response" in a]
+    assert alert.startswith("33.3% of trajectories wrote a <tool_response> frame themselves (limit 5.0%)")
+    assert monitor.should_stop(1, monitor.check(m)) is False  # warn by default
+    quiet = rollout_metrics([[honest, _traj(0.0, [])]], [[0, 1]], no_tool_p_err=0.5)
+    assert quiet["tools/forged_traj_ratio"] == 0.0 and monitor.check(quiet) == []
+    off = AlertMonitor(LoggingConfig(alert_forged_observation_share=None))
+    assert not [a for a in off.check(m) if "tool_response" in a]

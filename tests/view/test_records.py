@@ -553,3 +553,15 @@ def test_the_models_own_turns_are_parsed_with_the_agent_config_and_read_the_pref
     )
     [[c]] = [parts_of(t, "call") for t in calc_turns]
     assert "parse_error" not in c and c["code"] == json.dumps({"e": "1+1"})
+
+
+def test_forged_observations_show_per_trajectory_and_in_the_page(tmp_path):
+    """The forged column: turns in which the model wrote a tool-response frame itself (0 in records
+    written before it was counted); the page lists it as a column and a badge."""
+    forged = traj("x", [], forged_observations=2)
+    assert view_record(forged.to_dict(), 0)["forged"] == 2
+    old = traj("x", []).to_dict()
+    del old["forged_observations"]
+    assert view_record(old, 1)["forged"] == 0
+    page = build_html(Source("trajectories", tmp_path / "t.jsonl", [forged.to_dict()]))
+    assert 'key: "forged"' in page and 'id="forged"' in page

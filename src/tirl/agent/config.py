@@ -22,6 +22,9 @@ class AgentConfig(BaseModel):
     show_exec_time: bool = True  # run time in tool responses; off = same code, same text (reproducible)
     max_calls_per_turn: int = Field(1, ge=1)  # extra calls in one turn get an error response
     stop_at_tool_call: bool = True  # end a turn at </tool_call> so the call runs at once
+    # A turn in which the model writes a <tool_response> frame itself ends where the frame starts: the
+    # made-up observation is neither run nor trained on (it is counted either way: forged_observations).
+    stop_at_forged_observation: bool = True
     system_prompt: str | None = None  # None: the paper's prompt (tirl.agent.protocol.DEFAULT_SYSTEM_PROMPT)
     user_prompt: str | None = None  # template with {problem}; None: DEFAULT_USER_PROMPT
     # Tools the model may call: built-in names (tirl.agent.tools.BUILTIN_TOOLS) or `module:Class` paths

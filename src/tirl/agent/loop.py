@@ -22,6 +22,7 @@ from tirl.agent.protocol import (
     ToolCallError,
     build_prompt_ids,
     count_answer_blocks,
+    forged_frame_at,
     parse_tool_calls,
     render_tool_response,
     truncate_middle,
@@ -105,9 +106,14 @@ async def _turns(
         gen = await _generate(
             engine, traj, cfg, special, left, None if seed is None else derive_seed(seed, turn)
         )
+        text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        forged = forged_frame_at(text)
+        if forged is not None:
+            traj.forged_observations += 1
+            if cfg.stop_at_forged_observation:
+                gen, text = _cut_turn(tokenizer, gen, text, forged)
         _append(traj, gen.token_ids, gen.logprobs, trained=True, version=gen.version)
         traj.turns += 1
-        text = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         traj.model_turns.append(text)
         traj.answer_blocks += count_answer_blocks(text)
         emit("turn", {"turn": turn, "text": text, "finish_reason": gen.finish_reason})
@@ -132,6 +138,28 @@ async def _turns(
             return
         _append(traj, segment, [0.0] * len(segment), trained=False, version=gen.version)
     traj.finish_reason = "max_turns"
+
+
+def _cut_turn(tokenizer, gen: Generation, text: str, at: int) -> tuple[Generation, str]:
+    """The turn's tokens before character `at` (where the model started a forged frame), as a turn the
+    model stopped: the frame and everything after it are dropped, so none of it is run or trained on."""
+    keep = _tokens_within(tokenizer, gen.token_ids, text[:at])
+    ids = gen.token_ids[:keep]
+    cut = Generation(ids, gen.logprobs[:keep], "stop", version=gen.version)
+    return cut, tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _tokens_within(tokenizer, ids: list[int], prefix: str) -> int:
+    """The most leading tokens of `ids` whose text stays within `prefix` (binary search: a turn's
+    decoded prefixes grow with the token count)."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prefix.startswith(tokenizer.decode(ids[:mid], skip_special_tokens=False)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 async def _generate(

@@ -223,6 +223,25 @@ def _json_type(value) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
+# The frame tirl writes around a tool's output (tool_response_pieces). A model that writes it in its own
+# turn makes up an observation: trained on, it is learned as if the environment had said it.
+_FORGED_TAGS = re.compile(r"</?tool_response>")
+_CALL_SPAN = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.S)
+_FRAME_HEAD = "<|im_start|>user\n"  # the frame's opening before the tag, when the model writes it too
+
+
+def forged_frame_at(text: str) -> int | None:
+    """Where the model's own turn starts writing a tool-response frame (`<tool_response>` or
+    `</tool_response>`, with the `<|im_start|>user\n` before it if written), or None. Text inside a
+    `<tool_call>` (a program that prints the tag) is the call's, not a frame."""
+    calls = [m.span() for m in _CALL_SPAN.finditer(text)]
+    for m in _FORGED_TAGS.finditer(text):
+        if not any(a <= m.start() < b for a, b in calls):
+            at = m.start()
+            return at - len(_FRAME_HEAD) if text[:at].endswith(_FRAME_HEAD) else at
+    return None
+
+
 def count_answer_blocks(text: str) -> int:
     """Number of <answer> blocks a turn opened (RoC's p_format penalizes more than one)."""
     return text.count(_ANSWER_OPEN)

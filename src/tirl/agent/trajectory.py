@@ -57,6 +57,9 @@ class Trajectory:
     turns: int = 0
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     answer_blocks: int = 0
+    # Model turns that wrote a tool-response frame themselves, a made-up observation (cut there when
+    # agent.stop_at_forged_observation; tirl.agent.protocol.forged_frame_at).
+    forged_observations: int = 0
     finish_reason: TrajectoryFinish = "answered"
     error: str = ""
     reward: float = 0.0

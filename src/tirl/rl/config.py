@@ -219,6 +219,10 @@ class LoggingConfig(_Strict):
     # below the floor. Every step is watched, however few its calls. None turns one off.
     alert_tool_use_drop: float | None = Field(0.5, gt=0, lt=1)
     alert_tool_use_floor: float | None = Field(None, gt=0)
+    # A model that writes its own <tool_response> frames (made-up tool output, trained on as if the tool
+    # had said it unless agent.stop_at_forged_observation): an alert when the share of a step's
+    # trajectories with one exceeds this. None turns it off.
+    alert_forged_observation_share: float | None = Field(0.05, gt=0, lt=1)
     # Off-policy guard rails (what moved when async without correction collapsed: docs/results-async.md).
     # Each alerts when the step's value exceeds it; None turns that one off.
     alert_engine_logprob_gap: float | None = Field(0.05, gt=0)  # mean |engine - trainer| log-prob per token
@@ -318,19 +322,31 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _colocation_fits(self) -> TrainConfig:
         cluster, engine = self.cluster, self.engine
-        if not cluster.colocate:
-            return self
-        if engine.num_engines != cluster.trainer.ranks:
+        if cluster.colocate and engine.num_engines != cluster.trainer.ranks:
             raise ValueError(
                 f"cluster.colocate pairs engine i with trainer rank i on one device, but engine.num_engines="
                 f"{engine.num_engines} and cluster.trainer.ranks={cluster.trainer.ranks}: make them equal"
             )
-        if engine.backend == "vllm" and cluster.engines.num_gpus > 0 and not engine.enable_sleep_mode:
+        lending = cluster.engines_share_devices and not self.algorithm.async_
+        if lending and engine.backend == "vllm" and self._engines_on_gpus() and not engine.enable_sleep_mode:
+            where = "cluster.colocate" if cluster.colocate else "cluster.backend=local (engine i on cuda:i)"
             raise ValueError(
-                "cluster.colocate on GPUs with vLLM: set engine.enable_sleep_mode=true, or the engine keeps "
-                "engine.gpu_memory_utilization of the GPU its trainer rank needs while it trains"
+                f"{where} shares the trainer's GPUs with vLLM engines: set engine.enable_sleep_mode=true, or "
+                "the engine keeps engine.gpu_memory_utilization of the GPU its trainer rank needs while it trains"
             )
         return self
+
+    def _engines_on_gpus(self) -> bool:
+        """Whether the engines run on GPUs: Ray gives them GPUs by cluster.engines.num_gpus; in-process
+        (backend=local) they take engine.device, "auto" meaning a GPU where this machine has one."""
+        if self.cluster.backend == "ray":
+            return self.cluster.engines.num_gpus > 0
+        device = self.engine.device
+        if device == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return device.startswith("cuda")
 
     @property
     def run_dir(self) -> Path:

@@ -64,6 +64,10 @@ def rollout_metrics(groups: Sequence[Sequence], kept: Sequence[Sequence[int]], n
         "tools/error_ratio_in_correct": tool_error_ratio(correct),
         "tools/sandbox_failure_ratio": sum(c.infra_failed for c in calls) / len(calls) if calls else None,
         "tools/wait_s_mean": _mean(t.tool_wait_seconds for t in every),
+        # Turns in which the model wrote a <tool_response> frame itself (a made-up observation), and the
+        # share of trajectories with one (tirl.agent.protocol.forged_frame_at).
+        "tools/forged_observations": sum(t.forged_observations for t in every),
+        "tools/forged_traj_ratio": _mean(t.forged_observations > 0 for t in every),
         # Share of trajectory time spent waiting for tool results (async: other trajectories go on).
         "time/tool_wait_share": wait / busy if busy > 0 else None,
         "roc/groups": len(groups),
@@ -125,6 +129,9 @@ class AlertMonitor:
     (engine log-prob gap, length-limit share, TIS truncation, ratio max, approx KL) pass their limits;
     and counts consecutive alerting steps for `alert_action=stop`.
 
+    Forged observations (`alert_forged_observation_share`: the share of trajectories in which the model
+    wrote a tool-response frame itself) are watched on every step.
+
     Tool use itself is watched on every step (`alert_tool_use_drop`, `alert_tool_use_floor`): a model that
     stops calling its tool makes few calls, which the error alerts skip. A step with fewer than
     `alert_min_calls` tool calls raises no tool-error alert and does not enter the
@@ -146,7 +153,24 @@ class AlertMonitor:
         self.streak = 0
 
     def check(self, m: dict) -> list[str]:
-        return self._tool_use_alerts(m) + self._tool_alerts(m) + self._off_policy_alerts(m)
+        return (
+            self._tool_use_alerts(m)
+            + self._forged_alerts(m)
+            + self._tool_alerts(m)
+            + self._off_policy_alerts(m)
+        )
+
+    def _forged_alerts(self, m: dict) -> list[str]:
+        """A policy that learns to write its own tool responses: watched on every step, however few calls
+        (a forging model may call its tool less)."""
+        share, limit = m.get("tools/forged_traj_ratio"), self.cfg.alert_forged_observation_share
+        if share is None or limit is None or share <= limit:
+            return []
+        return [
+            f"{share:.1%} of trajectories wrote a <tool_response> frame themselves (limit {limit:.1%}): the "
+            "model is making up tool output; agent.stop_at_forged_observation=true keeps it from being run "
+            "or trained on"
+        ]
 
     def _tool_use_alerts(self, m: dict) -> list[str]:
         per = m.get("tools/calls_per_traj")

@@ -63,19 +63,20 @@ def load_source(path: str | Path) -> Source:
         raise ViewError(f"{path}: no such file or directory ({_WHAT})")
     if path.is_file():
         return Source("trajectories", path, _read_jsonl(path))
-    trajectories = path / TRAJECTORIES
-    if (path / "metrics.jsonl").exists():  # a training run
-        config = _read_yaml(path / "config.yaml")
+    own = _Own(path)
+    trajectories = own(TRAJECTORIES)
+    if own("metrics.jsonl").exists():  # a training run
+        config = _read_yaml(own("config.yaml"))
         return Source(
             "train",
             path,
             _read_jsonl(trajectories) if trajectories.exists() else [],
-            curves=_read_jsonl(path / "metrics.jsonl"),
+            curves=_read_jsonl(own("metrics.jsonl")),
             agent=_mapping(config.get("agent")),
         )
     if not trajectories.exists():
         raise ViewError(f"{path} holds neither {TRAJECTORIES} nor metrics.jsonl ({_WHAT})")
-    metrics = _read_json(path / "metrics.json")
+    metrics = _read_json(own("metrics.json"))
     benchmarks = _mapping(metrics.get("benchmarks"))
     return Source(
         "eval",
@@ -84,6 +85,24 @@ def load_source(path: str | Path) -> Source:
         summary={str(k): v for k, v in benchmarks.items() if isinstance(v, dict)},
         agent=_mapping(_mapping(metrics.get("config")).get("agent")),
     )
+
+
+class _Own:
+    """A run directory's files, each refused (ViewError) if it is a link leading outside the directory: a
+    shared run whose `trajectories.jsonl -> ~/notes.jsonl` would put that file's records into the page
+    the user then shares. Links inside the run, and the run directory itself given as a link, are fine."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.real_root = root, root.resolve()
+
+    def __call__(self, name: str) -> Path:
+        path = self.root / name
+        if path.is_symlink() and not path.resolve().is_relative_to(self.real_root):
+            raise ViewError(
+                f"{path} is a symbolic link to {path.resolve()}, outside the run: tirl view reads only "
+                "the files a run holds (replace the link by the file it should be, or view that file itself)"
+            )
+        return path
 
 
 _WHAT = "give an eval output directory, a training run directory or a trajectories.jsonl"
@@ -171,6 +190,7 @@ def _view_record(raw: dict, index: int, agent: dict) -> dict:
         "note": note,
         "ncalls": traj.num_tool_calls,
         "nerr": traj.num_tool_errors,
+        "forged": traj.forged_observations,  # turns that wrote a tool-response frame themselves
         "statuses": statuses,
         "len": sum(g + t for g, t in tokens),
         "gen": sum(g for g, _ in tokens),

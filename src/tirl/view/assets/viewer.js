@@ -90,6 +90,8 @@ const COLUMNS = [
   { key: "nturns", label: "turns", width: "44px", num: true, cell: (t) => esc(t.turns.length) },
   { key: "ncalls", label: "calls", width: "44px", num: true, cell: (t) => esc(t.ncalls) },
   { key: "nerr", label: "errors", width: "52px", num: true, cell: (t) => (t.nerr ? `<span class="bad">${esc(t.nerr)}</span>` : "0") },
+  // Turns in which the model wrote a <tool_response> frame itself (made-up tool output).
+  { key: "forged", label: "forged", width: "52px", num: true, cell: (t) => (t.forged ? `<span class="bad">${esc(t.forged)}</span>` : "0") },
   { key: "len", label: "tokens", width: "56px", num: true, cell: (t) => esc(t.len) },
   { key: "kept", label: "RoC", width: "62px", train: true,
     cell: (t) => (t.roc ? (t.roc.kept ? '<span class="good">kept</span>' : '<span class="muted">dropped</span>') : "") },
@@ -260,6 +262,7 @@ function renderTrajectory(t) {
     <span class="badge">answer <b class="mono">${esc(t.answer ?? "none")}</b></span>
     <span class="badge">reference <b class="mono">${esc(t.reference ?? "–")}</b></span>
     <span class="badge ${t.finish === "error" ? "error" : ""}">finish: ${esc(t.finish)}</span>
+    ${t.forged ? `<span class="badge error" id="forged">${esc(t.forged)} forged tool response${t.forged > 1 ? "s" : ""}</span>` : ""}
     <span class="badge">${esc(t.turns.length)} turns · ${esc(t.ncalls)} tool calls · ${esc(t.nerr)} errored</span>
     <span class="badge">${esc(t.prompt_len ?? "?")} prompt + ${esc(t.gen)} generated + ${esc(t.len - t.gen)} tool tokens</span>
     <span class="badge">${fmt(t.gen_s, 1)} s generating · ${fmt(t.tool_s, 1)} s waiting for tools</span>
