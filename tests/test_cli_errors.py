@@ -284,3 +284,13 @@ def test_plan_says_what_it_measures_and_shows_progress(tiny_model_dir):
         line.startswith("  measured a training step of 2 x 16384 tokens per micro-batch") for line in lines
     )
     assert "FITS" in done.stdout or "DOES NOT FIT" in done.stdout, done.stdout
+
+
+def test_the_help_points_to_the_quick_demo_first():
+    from typer.testing import CliRunner
+
+    from tirl.cli import app
+
+    for args in ([], ["demo"]):
+        shown = CliRunner().invoke(app, [*args, "--help"], terminal_width=400).output
+        assert "--quick" in shown and "about 3" in shown, shown[:800]

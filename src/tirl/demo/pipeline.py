@@ -194,7 +194,14 @@ class Phases:
         self.seconds[name] = round(time.perf_counter() - start, 1)
         self.console.print(f"[green]done[/] {what} in {self.seconds[name]:.1f} s")
 
-    def run(self, name: str, what: str, work: Callable[[], Result]) -> Result:
+    def run(self, name: str, what: str, work: Callable[[], Result], skipped: str | None = None) -> Result:
+        """`skipped`: why this phase has nothing to do (its work returns at once), printed instead of
+        its header's details and a wall time of 0.0 s."""
+        if skipped is not None:
+            self.console.rule(f"[bold]demo {len(self.seconds) + 1}/{self.total}: {what.split(' (')[0]}")
+            self.console.print(f"skipped ({skipped})")
+            self.seconds[name] = 0.0
+            return work()
         if name in self.finished:
             self.console.rule(f"[bold]demo {len(self.seconds) + 1}/{self.total}: {what}")
             self.console.print("[green]done[/] before the demo was interrupted")
@@ -309,6 +316,7 @@ def run_demo(
         f"SFT on copy drills until {settings.demo.drill_target:.0%} of held-out drills are copied "
         f"(at most {settings.demo.drill_steps} steps)",
         partial(_drill, settings, init_model, out, console.print),
+        skipped=None if settings.demo.drill_steps else "demo.drill_steps=0",
     )
     checks = Checks(settings.demo.checks, console.print)
     checks.expect(drills_shortfall(out / "drills"))
@@ -317,6 +325,7 @@ def run_demo(
         f"SFT on drills in the traces' shapes until {settings.demo.shaped_drill_target:.0%} of held-out "
         f"ones are done exactly (at most {settings.demo.shaped_drill_steps} steps)",
         partial(_shaped_drill, settings, drilled, sft_problems, out, console.print),
+        skipped=None if settings.demo.shaped_drill_steps else "demo.shaped_drill_steps=0",
     )
     checks.expect(drills_shortfall(out / "shaped_drills"))
     drills = f" + {settings.demo.copy_drills} copy drills" if settings.demo.copy_drills else ""
