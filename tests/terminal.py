@@ -9,19 +9,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from tests.tied import tied, torchrun
 
-# An ignored signal stays ignored across exec, and a shell that starts a job in the background without
-# job control (`cmd &` in a script, nohup) ignores SIGINT for it: a test run started so would pass that
-# on to every command it starts, and Ctrl-C could never reach them. A terminal's foreground command
-# starts with SIGINT at its default; this exec wrapper restores that before the command runs.
-_DEFAULT_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def foreground(argv: list[str]) -> list[str]:
-    """`argv` (a program and its arguments) run with SIGINT at its default disposition, in this process's
-    place: the pid Popen returns is the command's own."""
-    return [sys.executable, "-c", _DEFAULT_SIGINT, *argv]
+    """`argv` (a program and its arguments) run as a terminal's foreground command (SIGINT at its
+    default), dying with the test process, in this process's place: the pid Popen returns is the
+    command's own (tests.tied)."""
+    return tied(argv, foreground=True)
 
 
 def tirl_env() -> dict[str, str]:
@@ -34,7 +31,7 @@ def tirl_env() -> dict[str, str]:
 
 def tirl_argv(*args: str, launcher: Sequence[str] = ()) -> list[str]:
     """The command line of `tirl ARGS`; `launcher`: the arguments of a Python launcher that runs it
-    (torchrun: ["-m", "torch.distributed.run", "--nproc_per_node=2"])."""
+    (torchrun: tests.tied.torchrun("--nproc_per_node=2"))."""
     return [sys.executable, *launcher, "-m", "tirl.cli", *args]
 
 
@@ -50,7 +47,7 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess:
     """`script ARGS` in `nproc` local torchrun processes (one intra-op thread each: 2 cores) with
     tirl_env(); its output captured as text."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable, *torchrun("--standalone", f"--nproc_per_node={nproc}")]
     env = tirl_env() | {"OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [*cmd, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from tests.terminal import foreground, tirl_argv, tirl_env
+from tests.tied import tied
 from tests.train_config import write_train_config
 
 
@@ -106,7 +107,7 @@ def test_kill_9_of_a_command_takes_its_children_along(tiny_model_dir, engine):
     forked process); SIGKILL of chat alone leaves neither behind."""
     argv = tirl_argv("chat", "--model", str(tiny_model_dir), "--engine", engine)
     proc = subprocess.Popen(
-        [*argv, "--max-tokens", "16"],
+        tied([*argv, "--max-tokens", "16"]),
         env=tirl_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -237,7 +238,9 @@ def test_stop_child_kills_what_ignores_sigterm_after_the_grace_period(group: boo
         "print(w.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, process_group=0)
+    proc = subprocess.Popen(
+        tied([sys.executable, "-c", code]), stdout=subprocess.PIPE, text=True, process_group=0
+    )
     worker = int(proc.stdout.readline())
     start = time.monotonic()
     try:
@@ -256,7 +259,7 @@ def test_stop_child_kills_what_ignores_sigterm_after_the_grace_period(group: boo
 def test_stop_child_of_an_exited_child_only_reaps_it() -> None:
     from tirl.lifetime import stop_child
 
-    proc = subprocess.Popen([sys.executable, "-c", "pass"], process_group=0)
+    proc = subprocess.Popen(tied([sys.executable, "-c", "pass"]), process_group=0)
     while not os.path.exists(f"/proc/{proc.pid}/stat") or _state(proc.pid) != "Z":
         time.sleep(0.01)
     stop_child(proc, 5, group=True)  # exited before the call: reaped, no signal to a gone group

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from tests.jsonl import write_jsonl
 from tests.terminal import tirl_argv, tirl_env
+from tests.tied import torchrun
 
 from tirl.ports import free_port
 
@@ -296,7 +297,7 @@ def small(argv: list[str], rule: Rule, port: int) -> list[str]:
     if argv[0].endswith("tirl"):
         return tirl_argv(*argv[1:])
     if argv[0].endswith("torchrun"):
-        return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+        return [sys.executable, *torchrun(*argv[1:])]  # its ranks die with the test (tests.tied)
     if argv[0].endswith("/python"):  # .venv/bin/python: this interpreter (the run directory has no .venv)
         return [sys.executable, *argv[1:]]
     if argv[0] == "curl":  # an HTTP error is an error

@@ -4,12 +4,10 @@ optimizer shards, a Hugging Face export beside them, and no unsharded model move
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.terminal import run_torchrun
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 pytestmark = pytest.mark.timeout(900)  # a hang guard: two torchrun ranks are slow on a loaded machine
@@ -18,20 +16,8 @@ pytestmark = pytest.mark.timeout(900)  # a hang guard: two torchrun ranks are sl
 @pytest.fixture(scope="module")
 def resumed(tiny_model_dir, tmp_path_factory) -> tuple[list[dict], Path]:
     tmp = tmp_path_factory.mktemp("sharded")
-    src = str(Path(__file__).parents[2] / "src")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
-    proc = subprocess.run(
-        [*cmd, "resume", str(tiny_model_dir), str(tmp / "run"), str(tmp / "out.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
+    out, run = tmp / "out.json", tmp / "run"
+    proc = run_torchrun(WORKER, "resume", str(tiny_model_dir), str(run), str(out), timeout=800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp / f"out.json.{r}").read_text()) for r in range(2)], tmp / "run"
 

@@ -19,6 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from tests.logprobs import reference_logprobs
+from tests.tied import tied
 
 from tirl.config import ConfigError, load_config
 from tirl.engines.base import SamplingParams
@@ -95,7 +96,8 @@ def train_in_subprocess(
         env[FAULT_ENV] = fault
     cmd = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "--quiet", f"run_name={name}"]
     cmd += [*overrides, *(["--resume"] if resume else [])]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    # its own session (killed as a group below), dying with the test process all the same (tests.tied)
+    proc = subprocess.Popen(tied(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE)
     try:
         _, err = proc.communicate(timeout=900)  # a hang guard only: the kill point is the hook, not time
     finally:

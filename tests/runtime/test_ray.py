@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from tests.terminal import run_tirl, tirl_argv, tirl_env
+from tests.tied import tied
 
 ray = pytest.importorskip("ray")  # `make test` installs tirl[ray]
 
@@ -603,7 +604,8 @@ def test_driver_sigkilled_mid_stage_resumes_exactly_and_leaves_no_ray_process(
     src = str(Path(__file__).parents[2] / "src")
     env = {**os.environ, FAULT_ENV: "update:2", "PYTHONPATH": src}
     cmd = tirl_argv("train", "--config", str(config), "--quiet", "run_name=killed")
-    driver = subprocess.Popen(cmd + overrides, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    # its own session (the test kills its group), dying with the test process all the same (tests.tied)
+    driver = subprocess.Popen(tied(cmd + overrides), env=env, start_new_session=True, stderr=subprocess.PIPE)
     seen: dict[int, tuple[psutil.Process, str]] = {}
 
     def track() -> None:  # every process the run starts, while it runs (polling: no event to wait on)

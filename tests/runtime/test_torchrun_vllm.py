@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 from tests.terminal import run_tirl
+from tests.tied import torchrun
 from tests.train_config import write_train_config
 
 from tirl.ports import free_port
@@ -33,8 +34,8 @@ def test_torchrun_two_ranks_with_a_vllm_cpu_engine_keeps_engine_and_trainer_in_s
         optim={"device": "cpu", "lr": 1e-3, "warmup_steps": 0},
         checkpoint={"every": 2},
     )
-    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    done = run_tirl("train", "--config", str(config), launcher=torchrun, timeout=850)
+    launcher = torchrun("--nproc_per_node=2", f"--master_port={free_port()}")
+    done = run_tirl("train", "--config", str(config), launcher=launcher, timeout=850)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = read_metrics(tmp_path / "runs" / "r")
     assert [g["step"] for g in got] == [1, 2]
