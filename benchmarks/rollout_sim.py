@@ -33,10 +33,26 @@ import random
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tirl.engines.scheduler import Admission, Mode, Rule
 
 Sampler = Callable[[random.Random], float]
+Placed = list[tuple[Any, int]]  # (trajectory, engine) pairs a policy starts or resumes now
+
+
+class Placement(Protocol):
+    """What RolloutSim asks of a placement policy (tirl's Admission is one).
+
+    A program-level policy (benchmarks/scheduler_sim.py) also has `tool_started(traj) -> Placed`,
+    `tool_returned(traj) -> Placed` and `schedule() -> Placed`: it learns of every tool boundary and
+    decides where (and when) the next turn runs, possibly on another engine, or later (the program was
+    paused); its `submit` may queue everything and place it at `schedule`, called once per burst.
+    """
+
+    def submit(self, ticket: Any, group: str, max_tokens: int) -> int | None: ...
+    def observe(self, ticket: Any, context_tokens: int) -> None: ...
+    def release(self, ticket: Any) -> Placed: ...
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,10 @@ class SimResult:
     generated_tokens: int
     utilization: float  # mean fraction of the makespan engines spent computing
     mean_batch: float  # time-weighted running requests per busy engine
+    kv_running: float = 0.0  # time-averaged share of the engines' KV held by requests being decoded
+    kv_held: float = 0.0  # the same, plus the contexts kept between turns (prefix cache)
+    waits_s: tuple[float, ...] = ()  # per trajectory: time ready to run but not running (queues, pauses)
+    finish_s: tuple[float, ...] = ()  # per trajectory: when its last turn ended
 
 
 class _Trajectory:
@@ -130,6 +150,9 @@ class _Trajectory:
         self.turn = 0
         self.context = 0  # tokens whose KV exists (or existed) for this trajectory
         self.engine = -1
+        self.ready_at = 0.0  # when it last became ready to run (submitted, or its tool call returned)
+        self.wait_s = 0.0
+        self.finished_at = math.nan
 
 
 @dataclass
@@ -137,6 +160,7 @@ class _Request:
     traj: _Trajectory
     new_tokens: int  # prompt or tool response to prefill
     decode_left: int
+    ready: float = 0.0  # when it joined the waiting queue (its wait ends at admission)
 
 
 class _Engine:
@@ -154,13 +178,24 @@ class _Engine:
         self.preemptions = 0
         self.recomputed = 0
         self.pending_prefill = 0  # KV to recompute before the next step (after a weight sync)
+        self.kv_seconds = 0.0  # integral of the running KV over time (token-seconds)
+        self.held_seconds = 0.0  # integral of running + cached KV
+        self.accounted_until = 0.0
+
+    def account(self, now: float) -> None:
+        """Integrate the KV held since the last call (the state after a step stands for its duration)."""
+        span = now - self.accounted_until
+        if span > 0:
+            self.kv_seconds += span * self.running_kv
+            self.held_seconds += span * (self.running_kv + self.cached_kv)
+            self.accounted_until = now
 
     def _evict_until(self, free_needed: int) -> None:
         while self.cached and self.model.kv_tokens - self.running_kv - self.cached_kv < free_needed:
             _, tokens = self.cached.popitem(last=False)  # least recently used prefix
             self.cached_kv -= tokens
 
-    def _admit(self) -> int:
+    def _admit(self, now: float) -> int:
         """FCFS admission while contexts fit; returns tokens to prefill (new + recomputed)."""
         prefill = 0
         while self.waiting and len(self.running) < self.model.max_seqs:
@@ -171,6 +206,7 @@ class _Engine:
             if self.running_kv + need - held > self.model.kv_tokens and self.running:
                 break
             self.waiting.popleft()
+            traj.wait_s += now - req.ready
             if held:
                 del self.cached[traj.index]
                 self.cached_kv -= held
@@ -182,22 +218,23 @@ class _Engine:
             self.running.append(req)
         return prefill
 
-    def _preempt_newest(self) -> None:
+    def _preempt_newest(self, now: float) -> None:
         victim = self.running.pop()
         self.running_kv -= victim.traj.context
-        self.waiting.appendleft(_Request(victim.traj, 0, victim.decode_left))  # recomputed on re-admission
+        # recomputed on re-admission
+        self.waiting.appendleft(_Request(victim.traj, 0, victim.decode_left, now))
         self.preemptions += 1
 
     def step(self, now: float, next_arrival: float) -> tuple[float, list[_Request]]:
         """Run a block of decode steps; returns (its duration, requests whose turn ended)."""
         m = self.model
-        prefill = self._admit()
+        prefill = self._admit(now)
         if not self.running:
             self.pending_prefill = 0
             return 0.0, []
         prefill, self.pending_prefill = prefill + self.pending_prefill, 0
         while self.running_kv + len(self.running) > m.kv_tokens and len(self.running) > 1:
-            self._preempt_newest()
+            self._preempt_newest(now)
         n = len(self.running)
         step_s = m.step_base_s + m.step_per_seq_s * n + m.step_per_kv_token_s * self.running_kv
         k = min(r.decode_left for r in self.running)
@@ -222,6 +259,10 @@ class _Engine:
         self.cached[traj.index] = traj.context
         self.cached_kv += traj.context
 
+    def drop_prefix(self, traj: _Trajectory) -> None:
+        """The trajectory moved to another engine: its kept context here is dead."""
+        self.cached_kv -= self.cached.pop(traj.index, 0)
+
 
 def simulate(
     specs: list[TrajectorySpec],
@@ -232,6 +273,7 @@ def simulate(
     reserve: float = 1.0,
     rule: Rule = "reserve",
     sync_turns: bool = False,
+    policy: Placement | None = None,
 ) -> SimResult:
     """Roll out every trajectory on n_engines engines; placement by the scheduler's Admission.
 
@@ -239,8 +281,9 @@ def simulate(
     `sync_turns` (static only) runs each engine turn by turn, as a batched multi-turn rollout does:
     tool calls start when the engine's whole batch has ended its turn, and the next turn waits
     for the slowest tool call. Otherwise a tool call starts the moment its turn ends.
+    `policy` replaces the Admission built from mode, reserve and rule (a program-level scheduler).
     """
-    sim = RolloutSim(n_engines, engine, mode, max_len, reserve, rule, sync_turns)
+    sim = RolloutSim(n_engines, engine, mode, max_len, reserve, rule, sync_turns, policy)
     for spec in specs:
         sim.submit(spec)
     sim.run()
@@ -266,16 +309,20 @@ class RolloutSim:
         reserve: float = 1.0,
         rule: Rule = "reserve",
         sync_turns: bool = False,
+        policy: Placement | None = None,
     ):
         if sync_turns and mode != "static":
             raise ValueError("sync_turns models the turn-synchronous static baseline: use mode='static'")
         self.model, self.mode, self.max_len, self.sync_turns = engine, mode, max_len, sync_turns
         self.engines = [_Engine(e, engine) for e in range(n_engines)]
-        self.policy: Admission[_Trajectory] = Admission(
+        self.policy: Placement = policy or Admission(
             n_engines, mode, budget_of=lambda e: engine.kv_tokens, reserve=reserve, rule=rule
         )
+        # Program-level policies see every tool boundary (they may pause, move or hold the next turn).
+        self._programs = hasattr(self.policy, "tool_returned")
         # A full-L reservation never changes (a context never outgrows L): no need to report growth.
-        self._follow_kv = rule != "reserve" or reserve < 1.0
+        self._follow_kv = rule != "reserve" or reserve < 1.0 or policy is not None
+        self._schedule_due = False
         self.trajs: list[_Trajectory] = []
         self.events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, index)
         self._seq = 0
@@ -298,11 +345,20 @@ class RolloutSim:
                 f"a trajectory of {spec.length} tokens exceeds L={self.max_len} or the KV cache ({self.model.kv_tokens})"
             )
         traj = _Trajectory(len(self.trajs), spec)
+        traj.ready_at = self.now
         self.trajs.append(traj)
         e = self.policy.submit(traj, spec.group, self.max_len)
         if e is not None:
             self._start(traj, e, self.now)
+        elif self._programs and not self._schedule_due:
+            # A program-level policy orders everything submitted at one instant together (a burst).
+            self._schedule_due = True
+            self.at(self.now, self._schedule)
         return traj.index
+
+    def _schedule(self) -> None:
+        self._schedule_due = False
+        self._place(self.policy.schedule(), self.now)
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         """Call fn at simulated time t."""
@@ -325,8 +381,28 @@ class RolloutSim:
         if self.on_start is not None:
             self.on_start(traj.index)
         traj.engine = e
-        self.engines[e].waiting.append(_Request(traj, traj.spec.prompt_tokens, traj.spec.turn_tokens[0]))
+        first = _Request(traj, traj.spec.prompt_tokens, traj.spec.turn_tokens[0], traj.ready_at)
+        self.engines[e].waiting.append(first)
         self._wake(e, t)
+
+    def _next_turn(self, traj: _Trajectory, e: int, t: float) -> None:
+        """Queue a trajectory's next turn on engine e (a move leaves its kept context behind)."""
+        if e != traj.engine:
+            old = self.engines[traj.engine]
+            old.account(t)
+            old.drop_prefix(traj)
+            traj.engine = e
+        spec = traj.spec
+        req = _Request(traj, spec.tool_tokens[traj.turn - 1], spec.turn_tokens[traj.turn], traj.ready_at)
+        self.engines[e].waiting.append(req)
+        self._wake(e, t)
+
+    def _place(self, placed: Placed, t: float) -> None:
+        for traj, e in placed:
+            if traj.turn == 0:
+                self._start(traj, e, t)
+            else:
+                self._next_turn(traj, e, t)
 
     def _wake(self, e: int, t: float) -> None:
         if not self.engines[e].awake:
@@ -347,9 +423,11 @@ class RolloutSim:
                 self._calls.pop(index)()
             elif kind == "tool":  # tool result is back: the next turn queues on the trajectory's engine
                 traj = self.trajs[index]
-                req = _Request(traj, traj.spec.tool_tokens[traj.turn - 1], traj.spec.turn_tokens[traj.turn])
-                self.engines[traj.engine].waiting.append(req)
-                self._wake(traj.engine, self.now)
+                traj.ready_at = self.now
+                if self._programs:  # ... or where and when the program-level policy says
+                    self._place(self.policy.tool_returned(traj), self.now)
+                else:
+                    self._next_turn(traj, traj.engine, self.now)
             elif self.now < self.paused_until:  # a weight sync holds the engine
                 self._push(self.paused_until, "engine", index)
             else:
@@ -357,6 +435,7 @@ class RolloutSim:
 
     def _engine_step(self, index: int) -> None:
         eng, now = self.engines[index], self.now
+        eng.account(now)
         duration, finished = eng.step(now, self._next_tool_return(index, now))
         if duration == 0.0:
             eng.awake = False
@@ -377,6 +456,8 @@ class RolloutSim:
             traj.turn += 1
             if traj.turn < len(traj.spec.turn_tokens):
                 eng.keep_prefix(traj)
+                if self._programs:
+                    self._place(self.policy.tool_started(traj), end)
                 if self.sync_turns:
                     self.round_tools[index].append(traj)
                     continue
@@ -384,8 +465,8 @@ class RolloutSim:
                 self._push(back, "tool", traj.index)
                 heapq.heappush(self.tool_returns[index], back)
             else:
-                for waiting, e in self.policy.release(traj):
-                    self._start(waiting, e, end)
+                traj.finished_at = end
+                self._place(self.policy.release(traj), end)
                 if self.on_finish is not None:
                     self.at(end, lambda i=traj.index, t=end: self.on_finish(i, t))
 
@@ -396,6 +477,9 @@ class RolloutSim:
         makespan = self.now
         busy = self.busy_seconds()
         n = len(self.engines)
+        for eng in self.engines:
+            eng.account(makespan)
+        kv_capacity = makespan * n * self.model.kv_tokens
         return SimResult(
             mode=self.mode,
             makespan_s=makespan,
@@ -404,4 +488,8 @@ class RolloutSim:
             generated_tokens=self.generated,
             utilization=busy / (makespan * n) if makespan else 0.0,
             mean_batch=sum(e.batch_time for e in self.engines) / busy if busy else 0.0,
+            kv_running=sum(e.kv_seconds for e in self.engines) / kv_capacity if kv_capacity else 0.0,
+            kv_held=sum(e.held_seconds for e in self.engines) / kv_capacity if kv_capacity else 0.0,
+            waits_s=tuple(t.wait_s for t in self.trajs),
+            finish_s=tuple(t.finished_at for t in self.trajs),
         )
