@@ -238,41 +238,42 @@ def eval_command(
     from tirl.data import DataError
     from tirl.engines.config import EngineConfig
     from tirl.engines.tokenizer import load_tokenizer
-    from tirl.eval.commands import eval_cluster, load_benchmarks, run_eval
+    from tirl.eval.commands import eval_cluster, kept_if_written, load_benchmarks, run_eval
     from tirl.eval.config import EvalConfig, with_model_agent
     from tirl.reward import RewardConfig
     from tirl.rl.checkpoint import agent_settings_warning, resolve_model_path
     from tirl.runtime.ray_cluster import ClusterError
 
-    flags = {"samples": samples, "temperature": temperature, "top_p": top_p, "max_turns": max_turns}
-    flags |= {"max_tokens": max_tokens, "seed": seed}
-    overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
-    try:
-        model = resolve_model_path(model)
-        cfg = load_config(EvalConfig, config, overrides)
-        if agent is not None:
-            cfg = cfg.model_copy(update={"agent": _agent_file(agent)})
-        cfg, source = with_model_agent(cfg, model)
-        engine_cfg = EngineConfig(backend=engine, model=model, num_engines=num_engines, device=device)
-        reward_cfg = RewardConfig(workers=reward_workers) if reward_workers else RewardConfig()
-        cluster_cfg = eval_cluster(cluster, ray_address, gpus_per_engine)
-        ensure_writable_dir(out, "--out")
-        benchmarks = load_benchmarks(data, limit, data_dir)
-        tokenizer = load_tokenizer(model)
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
-        _fail(e)
-    typer.echo(source, err=True)
-    _warn_agent_settings(agent_settings_warning(model, cfg.agent_config()))
-    try:
-        _start_ray(cluster_cfg, num_engines)
-        run_eval(
-            engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len,
-            cluster=cluster_cfg, tokenizer=tokenizer,
-        )  # fmt: skip
-    except (ConfigError, ClusterError) as e:  # e.g. a prompt longer than --max-model-len
-        _fail(e)
-    except KeyboardInterrupt:  # run_eval said what was kept
-        raise typer.Exit(130) from None
+    with kept_if_written(out):  # a failed evaluation leaves no empty --out behind
+        flags = {"samples": samples, "temperature": temperature, "top_p": top_p, "max_turns": max_turns}
+        flags |= {"max_tokens": max_tokens, "seed": seed}
+        overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
+        try:
+            model = resolve_model_path(model)
+            cfg = load_config(EvalConfig, config, overrides)
+            if agent is not None:
+                cfg = cfg.model_copy(update={"agent": _agent_file(agent)})
+            cfg, source = with_model_agent(cfg, model)
+            engine_cfg = EngineConfig(backend=engine, model=model, num_engines=num_engines, device=device)
+            reward_cfg = RewardConfig(workers=reward_workers) if reward_workers else RewardConfig()
+            cluster_cfg = eval_cluster(cluster, ray_address, gpus_per_engine)
+            ensure_writable_dir(out, "--out")
+            benchmarks = load_benchmarks(data, limit, data_dir)
+            tokenizer = load_tokenizer(model)
+        except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+            _fail(e)
+        typer.echo(source, err=True)
+        _warn_agent_settings(agent_settings_warning(model, cfg.agent_config()))
+        try:
+            _start_ray(cluster_cfg, num_engines)
+            run_eval(
+                engine_cfg, benchmarks, cfg, out, sandbox_endpoint, reward_cfg, max_model_len,
+                cluster=cluster_cfg, tokenizer=tokenizer,
+            )  # fmt: skip
+        except (ConfigError, ClusterError) as e:  # e.g. a prompt longer than --max-model-len
+            _fail(e)
+        except KeyboardInterrupt:  # run_eval said what was kept
+            raise typer.Exit(130) from None
 
 
 def _warn_agent_settings(warning: str | None) -> None:

@@ -1,6 +1,7 @@
 """`tirl eval` and `tirl chat` end to end: tiny real model, real sandbox service, real math-verify."""
 
 import json
+import re
 import statistics
 
 from typer.testing import CliRunner
@@ -61,15 +62,35 @@ def test_eval_writes_consistent_report(tiny_model_dir, tmp_path):
         assert sum(t["majority"] for t in votes) == int(has_answer)
     report = (out / "report.md").read_text()
     assert "| three | 3 |" in report and "avg@2 pass@1" in report
+    assert re.search(r"\nAnswer checks: \d+ responses scored \(\d+ without a boxed answer\); \d+ answer", report)
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["total_seconds"] > saved["seconds"] > 0  # start-up is counted, and said apart
+    assert f"Wall time: {saved['total_seconds']:.1f} s in all: " in report
     assert "| three | 3 |" in result.output
 
 
-def test_eval_bad_data_is_a_clear_error(tiny_model_dir, tmp_path):
+def test_eval_bad_data_is_a_clear_error_and_leaves_no_empty_out(tiny_model_dir, tmp_path):
+    out = tmp_path / "runs" / "eval"
     result = CliRunner().invoke(
-        app, ["eval", "--model", str(tiny_model_dir), "--data", str(tmp_path / "none.jsonl")]
+        app,
+        ["eval", "--model", str(tiny_model_dir), "--data", str(tmp_path / "none.jsonl"), "--out", str(out)],
     )
     assert result.exit_code == 2
     assert "no such file" in result.output
+    assert not (tmp_path / "runs").exists()  # created for the run, removed with it: nothing was written
+
+
+def test_the_answer_checks_line_says_what_each_count_counts():
+    """`fast` and `verified` count comparisons (scores and maj@k's grouping), so they may exceed the
+    responses: the line says so instead of `responses 78 ... fast 82`."""
+    from tirl.eval.report import answer_checks
+
+    stats = {"responses": 78, "no_answer": 4, "fast": 82, "verified": 3, "timeouts": 1, "killed": 1}
+    assert answer_checks(stats | {"errors": 0, "verify_s": 0.5}) == (
+        "Answer checks: 78 responses scored (4 without a boxed answer); 85 answer comparisons (scores and "
+        "maj@k's grouping): 82 decided as plain integers, 3 by math-verify in 0.50 s (1 timeouts, 1 killed, "
+        "0 errors)."
+    )
 
 
 def test_chat_shows_the_trajectory_and_exits_on_eof(tiny_model_dir):

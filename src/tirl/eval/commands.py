@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -64,6 +67,21 @@ def sandbox_config(endpoints: list[str]):
     return SandboxConfig(mode="remote", endpoints=list(endpoints))
 
 
+@contextmanager
+def kept_if_written(out: str | Path) -> Iterator[None]:
+    """The output directory (and the parents it needed) stays only if something was written in it: an
+    evaluation that fails leaves no empty `runs/eval/` behind."""
+    out = Path(out).absolute()
+    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
+    try:
+        yield
+    finally:
+        for d in created:
+            if not d.is_dir() or any(d.iterdir()):
+                break
+            d.rmdir()
+
+
 def write_partial(out: str | Path, trajectories: list) -> Path:
     """The trajectories an interrupted evaluation finished, one JSON line each."""
     import json
@@ -91,6 +109,7 @@ def run_eval(
     """Evaluate, write out/report.md, out/metrics.json, out/trajectories.jsonl; return the report."""
     from tirl.engines.tokenizer import load_tokenizer
 
+    started = time.perf_counter()
     console = console or Console()
     tokenizer = tokenizer or load_tokenizer(engine_cfg.model)
     agent = cfg.agent_config()
@@ -129,6 +148,7 @@ def run_eval(
         raise
     report.config = {"model": engine_cfg.model, "engine": engine_cfg.backend, **report.config}
     report.config |= {"max_turns": agent.max_turns, "max_tokens": agent.max_response_tokens}  # in effect
+    report.total_seconds = time.perf_counter() - started
     report.write(out)
     console.print(report.to_markdown(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {Path(out) / 'report.md'}, metrics.json, trajectories.jsonl")

@@ -22,7 +22,10 @@ class EvalReport:
     benchmarks: dict[str, BenchmarkResult]
     config: dict = field(default_factory=dict)  # what produced it (model, sampling, agent settings)
     reward_stats: dict = field(default_factory=dict)
-    seconds: float = 0.0
+    seconds: float = 0.0  # generating and scoring the trajectories
+    # From `tirl eval`'s run_eval start to the report, start-up included (the model's load, the engines,
+    # the sandbox, the reward workers); 0 when not measured (the demo's evaluations share a runtime).
+    total_seconds: float = 0.0
 
     @property
     def metrics(self) -> dict[str, BenchmarkMetrics]:
@@ -34,6 +37,7 @@ class EvalReport:
             "config": self.config,
             "reward_stats": self.reward_stats,
             "seconds": round(self.seconds, 2),
+            "total_seconds": round(self.total_seconds, 2),
         }
 
     def to_markdown(self) -> str:
@@ -81,10 +85,17 @@ class EvalReport:
             scalars = {key: value for key, value in self.config.items() if not isinstance(value, dict)}
             lines += ["", "## Setup", ""] + [f"- {key}: `{value}`" for key, value in scalars.items()]
         if self.reward_stats:
-            stats = ", ".join(f"{key} {_number(value)}" for key, value in self.reward_stats.items())
-            lines += ["", f"Reward verification: {stats}."]
-        lines += ["", f"Wall time: {self.seconds:.1f} s.", ""]
+            lines += ["", answer_checks(self.reward_stats)]
+        lines += ["", self._wall_time(), ""]
         return "\n".join(lines)
+
+    def _wall_time(self) -> str:
+        if not self.total_seconds:
+            return f"Wall time: {self.seconds:.1f} s generating and scoring (start-up not counted)."
+        return (
+            f"Wall time: {self.total_seconds:.1f} s in all: {self.total_seconds - self.seconds:.1f} s "
+            f"starting up (model, engines, sandbox, reward workers), {self.seconds:.1f} s generating and scoring."
+        )
 
     def write(self, out_dir: str | Path) -> Path:
         """Write report.md, metrics.json and trajectories.jsonl (one line per trajectory) to out_dir."""
@@ -119,7 +130,27 @@ class EvalReport:
             metrics = BenchmarkMetrics(**raw | {"pass_at": {int(k): v for k, v in raw["pass_at"].items()}})
             problems, groups = _problem_groups([r for r in records if r["benchmark"] == name])
             benchmarks[name] = BenchmarkResult(metrics, problems, groups)
-        return cls(benchmarks, saved["config"], saved["reward_stats"], saved["seconds"])
+        return cls(
+            benchmarks,
+            saved["config"],
+            saved["reward_stats"],
+            saved["seconds"],
+            saved.get("total_seconds", 0.0),
+        )
+
+
+def answer_checks(stats: dict) -> str:
+    """The reward pool's counters (tirl.reward.RewardStats) in words. Its `fast` and `verified` count
+    answer comparisons, not responses: scoring compares each answer with the reference, and maj@k
+    compares the answers of a problem with each other, so together they may exceed the responses."""
+    fast, verified = stats.get("fast", 0), stats.get("verified", 0)
+    failures = ", ".join(f"{stats.get(k, 0)} {k.replace('_', ' ')}" for k in ("timeouts", "killed", "errors"))
+    return (
+        f"Answer checks: {stats.get('responses', 0)} responses scored ({stats.get('no_answer', 0)} without a "
+        f"boxed answer); {fast + verified} answer comparisons (scores and maj@k's grouping): {fast} decided as "
+        f"plain integers, {verified} by math-verify in {_number(float(stats.get('verify_s', 0.0)))} s "
+        f"({failures})."
+    )
 
 
 def _number(x: object) -> str:
