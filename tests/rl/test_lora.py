@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -320,6 +321,10 @@ def _logits(model_dir: Path | str, adapter: Path | None = None) -> torch.Tensor:
         return model.eval()(torch.tensor([PROMPT])).logits
 
 
+def _listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -407,12 +412,15 @@ def test_a_late_merge_keeps_the_finished_directory_another_process_reads(lora_ru
 
     adapter = latest_checkpoint(lora_run) / "adapter"
     out = merge_adapter(adapter, tmp_path / "merged")
+    files = _listing(out)
+    assert "model.safetensors" in files and not [n for n in files if n.startswith(".")]
     probe = tmp_path / "probe"
     probe.mkdir()
     assert out.stat().st_mode == probe.stat().st_mode  # readable as any directory made here (not 0700)
     probe.rmdir()
     inode = (out / "model.safetensors").stat().st_ino
     assert merge_adapter(adapter, out) == out and (out / "model.safetensors").stat().st_ino == inode
+    assert _listing(out) == files  # reused as it was: nothing built inside it
     raced = tmp_path / "raced"
     readers = []
 
@@ -423,7 +431,12 @@ def test_a_late_merge_keeps_the_finished_directory_another_process_reads(lora_ru
         readers.append((raced / "model.safetensors").open("rb"))
 
     assert build_dir(raced, merge_while_another_wins) == raced
-    assert (raced / "winner").exists() and readers[0].read(8)  # the winner's, untouched
+    # what every reader of raced finds inside: the winner's files alone, as it wrote them (this
+    # process's copy neither nested in it nor left as a hidden temp directory)
+    assert _listing(raced) == sorted([*files, "winner"])
+    assert all((raced / name).read_bytes() == (out / name).read_bytes() for name in files)
+    assert os.fstat(readers[0].fileno()).st_ino == (raced / "model.safetensors").stat().st_ino
+    assert readers[0].read(8)  # the winner's reader, undisturbed
     readers[0].close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "raced"]  # this one's copy is gone
 
@@ -488,6 +501,9 @@ def test_three_processes_merging_one_checkpoint_at_once_all_get_the_same_model(
         assert proc.returncode == 0, stderr[-3000:]
         assert stdout.strip() == str(ckpt / "merged")
     assert sorted(p.name for p in ckpt.iterdir()) == ["adapter", "merged", "shards", "trainer_state.pt"]
+    inside = _listing(ckpt / "merged")  # one model: no second copy or hidden temp directory inside
+    assert "model.safetensors" in inside and not [n for n in inside if n.startswith(".") or n == "merged"]
+    assert all((ckpt / "merged" / n).is_file() for n in inside)
     assert torch.allclose(_logits(ckpt / "merged"), _logits(tiny_model_dir, ckpt / "adapter"), atol=1e-5)
 
 

@@ -137,6 +137,7 @@ def test_a_reader_sees_every_checkpoint_whole_while_a_save_replaces_and_prunes(
         assert isinstance(view, dict) and step in view and view[step] != "two, first try", seen
     assert _reader_view(run) == {2: "two", 3: "three"}
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert not list(run.rglob(".*"))  # nothing half removed or staged left inside the kept ones either
 
 
 def _lora_checkpoint(run: Path, step: int, base: Path, keep_last: int) -> Path:
@@ -207,7 +208,11 @@ def test_a_merge_of_a_checkpoint_pruned_under_it_leaves_no_step_directory(tiny_m
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
     assert kind == "error" and "was removed while merged was built in it" in said and "\n" not in said, said
     newest = run / "checkpoints" / "step_000002"
-    merged = AutoModelForCausalLM.from_pretrained(checkpoint_model_dir(newest))
+    model_dir = checkpoint_model_dir(newest)
+    assert model_dir == newest / "merged"  # what readers find inside: one model, no temp dir anywhere
+    assert not [p for p in newest.rglob(".*")], list(newest.rglob(".*"))
+    assert (model_dir / "model.safetensors").is_file() and not (model_dir / "merged").exists()
+    merged = AutoModelForCausalLM.from_pretrained(model_dir)
     adapted = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(newest / "adapter")
     )

@@ -118,6 +118,7 @@ def test_servers_syncing_at_once_share_one_whole_weights_dir_and_the_old_one_goe
             t.join(timeout=60)
         assert len(got) == 4 and len(set(got)) == 1 and len(writing) == 1, (got, writing)
         assert [p.name for p in tmp_path.iterdir()] == [Path(got[0]).name]  # the last sync's only
+        assert [p.name for p in Path(got[0]).iterdir()] == ["model.safetensors"]  # one file, no .partial
         read = load_file(str(Path(got[0]) / "model.safetensors"))
         assert read.keys() == dict(weights).keys() and all(torch.equal(read[n], t) for n, t in weights)
     assert fleet.syncs == 2
