@@ -43,10 +43,11 @@ def run_tirl(*args: str, timeout: float, launcher: Sequence[str] = ()) -> subpro
 
 
 def run_torchrun(
-    script: str | Path, *args: str, nproc: int = 2, timeout: float = 240
+    script: str | Path, *args: str, nproc: int = 2, timeout: float = 800
 ) -> subprocess.CompletedProcess:
     """`script ARGS` in `nproc` local torchrun processes (one intra-op thread each: 2 cores) with
-    tirl_env(); its output captured as text."""
+    tirl_env(); its output captured as text. `timeout` is a hang guard under pytest's 900 s: two ranks
+    that take 10-30 s on idle cores take minutes on a loaded 2-core machine."""
     cmd = [sys.executable, *torchrun("--standalone", f"--nproc_per_node={nproc}")]
     env = tirl_env() | {"OMP_NUM_THREADS": "1"}
     return subprocess.run(

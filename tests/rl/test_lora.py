@@ -341,7 +341,7 @@ def test_export_writes_a_plain_model_that_eval_and_transformers_load(lora_run, t
     ckpt = latest_checkpoint(lora_run)
     adapter = ckpt / "adapter"
     out = tmp_path / "exported"
-    done = run_tirl("export", "--model", str(lora_run), "--out", str(out), timeout=300)
+    done = run_tirl("export", "--model", str(lora_run), "--out", str(out), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"wrote {out}: the adapter {adapter} merged into its base"), done.stdout
     assert {"config.json", "model.safetensors", "tokenizer.json", "tirl_agent.yaml"} <= {
@@ -492,11 +492,11 @@ def test_three_processes_merging_one_checkpoint_at_once_all_get_the_same_model(
         )
         for i in range(3)
     ]
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600  # hang guards: three imports of transformers on 2 loaded cores
     while not all((tmp_path / f"ready{i}").exists() for i in range(3)) and time.monotonic() < deadline:
         time.sleep(0.05)
     go.touch()
-    results = [p.communicate(timeout=240) for p in procs]
+    results = [p.communicate(timeout=600) for p in procs]
     for proc, (stdout, stderr) in zip(procs, results, strict=True):
         assert proc.returncode == 0, stderr[-3000:]
         assert stdout.strip() == str(ckpt / "merged")

@@ -14,12 +14,12 @@ from tirl.distributed.groups import collective_timeout_s
 WORKER = Path(__file__).with_name("stuck_sync_worker.py")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # a hang guard: two torchrun ranks take minutes on a loaded machine
 def test_a_sync_a_rank_never_joins_fails_within_the_collective_timeout_naming_what_to_check(
     tiny_model_dir, tmp_path
 ):
     out = tmp_path / "result.json"
-    proc = run_torchrun(WORKER, str(tiny_model_dir), str(out), timeout=240)
+    proc = run_torchrun(WORKER, str(tiny_model_dir), str(out))
     assert out.is_file(), (proc.stdout + proc.stderr)[-3000:]
     result = json.loads(out.read_text())
     assert result["waited"] == "samples"  # a wait on rank 0 longer than the collective timeout is fine
