@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from tirl.engines.base import SamplingParams
 from tirl.engines.config import EngineConfig, RemoteServers
-from tirl.engines.remote import InvalidReplyError, ServerEngine
+from tirl.engines.remote import InvalidReplyError, ServerEngine, ServerError
 
 VOCAB = 100
 
@@ -26,6 +27,7 @@ class HostileServer:
 
     def __init__(self) -> None:
         self.reply = ""
+        self.drip_s = 0.0  # > 0: the reply's body is sent one byte per drip_s seconds
         self.requests: list[dict] = []
         server = self
 
@@ -48,7 +50,13 @@ class HostileServer:
                 self.send_header("Content-Type", media)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if not (server.drip_s and self.command == "POST"):
+                    self.wfile.write(body)
+                    return
+                for i in range(len(body)):
+                    self.wfile.write(body[i : i + 1])
+                    self.wfile.flush()
+                    time.sleep(server.drip_s)
 
             def log_message(self, *args) -> None:
                 pass
@@ -151,3 +159,17 @@ async def test_a_malformed_reply_is_one_clear_error(hostile, reply, error):
     server.reply = reply
     with pytest.raises(InvalidReplyError, match=error):
         await generate(engine)
+
+
+async def test_a_reply_dripped_a_byte_at_a_time_is_cut_at_the_request_deadline(hostile):
+    """Round 5, item 6: httpx's timeout applies per read, so a server sending its reply one byte every
+    0.1 s (here: ~15 s for the whole answer) was waited for until the reply ended; request_timeout_s
+    is now one deadline for the whole request."""
+    server, engine = hostile
+    engine.cfg.remote.request_timeout_s = 1.5
+    server.reply = completion([5, 6], [-0.5, -0.25])
+    server.drip_s = 0.1
+    start = time.monotonic()
+    with pytest.raises(ServerError):
+        await generate(engine)
+    assert time.monotonic() - start < 10, "the dripping reply was waited for past the deadline"

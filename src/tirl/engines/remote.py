@@ -562,9 +562,19 @@ class ServerEngine:
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> Generation:
         body = self.api.generate_body(prompt_ids, params, max_tokens)
-        resp = await self._http.post(  # type: ignore[union-attr]
-            self.api.generate_path, json=body, timeout=self.cfg.remote.request_timeout_s
-        )
+        deadline_s = self.cfg.remote.request_timeout_s
+        try:
+            # One deadline for the whole request: httpx's timeout applies to each read, so a server
+            # that drips its reply a byte at a time would never reach it.
+            async with asyncio.timeout(deadline_s):
+                resp = await self._http.post(  # type: ignore[union-attr]
+                    self.api.generate_path, json=body, timeout=deadline_s
+                )
+        except TimeoutError:
+            raise ServerError(
+                f"{self.name} ({self.url}): no whole generation answer within {deadline_s:g} s "
+                "(engine.remote.request_timeout_s)"
+            ) from None
         _check(resp, f"{self.name}: generate")
         try:
             body = resp.json()
