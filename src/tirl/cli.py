@@ -787,6 +787,47 @@ def view_command(
             _fail(e)
 
 
+@app.command("check-drift")
+def check_drift_command(
+    path: str = typer.Argument(..., help="An eval output dir or its trajectories.jsonl (token ids kept)."),
+    model: str = typer.Option(..., "--model", help="The model directory: its tokenizer and chat template."),
+    tool_messages: str = typer.Option(
+        "auto", "--tool-messages", help="auto, tool (the template's tool role) or user (tirl's ChatML)."
+    ),
+    limit: int | None = typer.Option(None, "--limit", help="Check the first N trajectories only."),
+) -> None:
+    """Re-render stored trajectories through the model's chat template and report every token where the
+    rendering differs from what was trained on (tirl.agent.drift); exit 1 if any does."""
+    from tirl.agent.config import AgentConfig
+    from tirl.agent.drift import DriftError, check_record, describe
+    from tirl.engines import load_tokenizer
+    from tirl.view import ViewError, load_source
+
+    if tool_messages not in ("auto", "tool", "user"):
+        _fail(typer.BadParameter(f"--tool-messages {tool_messages!r}: give auto, tool or user"))
+    try:
+        source = load_source(path)
+        cfg = AgentConfig.model_validate(source.agent)
+    except (ViewError, ValueError) as e:
+        _fail(e)
+    tokenizer = load_tokenizer(model)
+    drifted = unchecked = 0
+    records = source.records[:limit]
+    for i, record in enumerate(records):
+        try:
+            report = check_record(tokenizer, record, cfg, tool_messages)
+        except DriftError as e:
+            unchecked += 1
+            typer.echo(f"#{i + 1}: not checked: {e}")
+            continue
+        drifted += bool(report.differences)
+        typer.echo(describe(i, record, report))
+    clean = len(records) - drifted - unchecked
+    typer.echo(f"{len(records)} trajectories: {drifted} drifted, {clean} clean, {unchecked} not checked")
+    if drifted:
+        raise typer.Exit(1)
+
+
 @app.command("plan", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
 def plan_command(
     ctx: typer.Context,
