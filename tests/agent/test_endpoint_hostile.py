@@ -360,6 +360,24 @@ def test_an_abandoned_trajectory_expires_and_gives_its_lease_back(tokenizer):
         endpoint.close()
 
 
+def test_a_name_stays_valid_until_its_agent_first_uses_it(tokenizer):
+    """Round 5, item 7: an id handed to an agent that starts later than idle_timeout_s expired before its
+    first request, and every request of that agent got 404. Unused ids now wait for their first use;
+    idleness counts from a trajectory's last request."""
+    pool = RolloutScheduler([Canned(tokenizer)])
+    endpoint = OpenAIEndpoint(ChatRecorder(pool, tokenizer, idle_timeout_s=0.5))
+    try:
+        url = endpoint.base_url("late-agent")  # handed to an agent that starts later
+        time.sleep(2.0)  # four idle timeouts: the reaper ran several times (every 0.125 s)
+        resp = httpx.post(f"{url}/chat/completions", json={"messages": MESSAGES}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert wait_until(lambda: held(pool) == 0), "once used, the trajectory still expires when idle"
+        again = httpx.post(f"{url}/chat/completions", json={"messages": MESSAGES}, timeout=60)
+        assert again.status_code == 404 and "without a request" in again.json()["error"]["message"]
+    finally:
+        endpoint.close()
+
+
 def test_a_client_that_disconnects_gives_the_lease_back_and_leaves_the_trajectory_as_it_was(served):
     endpoint, engine, pool = served
     tid = endpoint.trajectory_id("t")

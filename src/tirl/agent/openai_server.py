@@ -34,7 +34,8 @@ JSON-only POSTs, optional bearer token, bounded bodies); trajectory ids are issu
 model (a malformed one answers 400, sampling parameters out of range included). A request is atomic:
 one that fails, is refused or whose client disconnects leaves its trajectory as it was, and the first
 request of a trajectory that fails releases the engine lease it took. A trajectory left idle for
-`idle_timeout_s` (an agent that died) is dropped and its lease released. Chat templates render and
+`idle_timeout_s` after its last request (an agent that died) is dropped and its lease released; an
+id not yet used stays valid until its first request (an agent may start late). Chat templates render and
 tokenize on worker threads, so one huge request does not stall the other agents' requests.
 """
 
@@ -83,6 +84,7 @@ MAX_STOP_STRINGS = 16
 # 1.1 s on 2 loaded cores. A real trajectory's request holds hundreds; this bounds it to ~0.2 s.
 MAX_JSON_CONTAINERS = 20_000
 MAX_STOP_CHARS = 256
+MAX_UNUSED_IDS = 1 << 20  # ids issued and not yet used, kept until first use (then the oldest goes)
 NAME = re.compile(r"[A-Za-z0-9._-]{0,64}")  # a trajectory name: it goes into URL paths
 
 
@@ -422,6 +424,10 @@ class ChatRecorder:
         tid = unguessable_id(f"{name}-" if name else "t-")
         with self._issued_lock:
             self._issued[tid] = time.monotonic()
+            while len(self._issued) > MAX_UNUSED_IDS:  # only tirl's own code issues: a runaway loop
+                oldest = next(iter(self._issued))  # the earliest issued
+                del self._issued[oldest]
+                self._note_gone(oldest, f"never used, and {MAX_UNUSED_IDS} newer ids were issued since")
         return tid
 
     def known(self, trajectory_id: str) -> bool:
@@ -663,21 +669,24 @@ class ChatRecorder:
         """Forget a trajectory and give its engine lease back."""
         rec = self._recordings.pop(trajectory_id, None)
         if why:
-            self._gone[trajectory_id] = why
-            while len(self._gone) > 4096:
-                self._gone.popitem(last=False)
+            self._note_gone(trajectory_id, why)
         if rec is not None:
             await rec.stack.aclose()
 
+    def _note_gone(self, trajectory_id: str, why: str) -> None:
+        """Remember why an id went, for its 404 (the last 4096)."""
+        self._gone[trajectory_id] = why
+        while len(self._gone) > 4096:
+            self._gone.popitem(last=False)
+
     async def expire_idle(self, now: float | None = None) -> list[str]:
-        """Drop the trajectories (and unused issued ids) idle for longer than idle_timeout_s; their ids."""
+        """Drop the trajectories idle for longer than idle_timeout_s since their last request; their ids.
+        An id issued but not yet used stays valid until its first request, however late the agent that
+        holds it starts (before, it expired after idle_timeout_s and every request got 404)."""
         if self.idle_timeout_s is None:
             return []
         now = time.monotonic() if now is None else now
         cutoff = now - self.idle_timeout_s
-        with self._issued_lock:
-            for tid in [t for t, at in self._issued.items() if at < cutoff]:
-                del self._issued[tid]
         idle = [t for t, r in self._recordings.items() if not r.lock.locked() and r.last_used < cutoff]
         for tid in idle:
             await self._drop(tid, f"dropped after {self.idle_timeout_s:g} s without a request")
