@@ -176,6 +176,45 @@ async def test_drift_keeps_the_generated_tokens_and_says_so(tokenizer):
     assert err.value.status == 409
 
 
+async def test_the_offline_drift_check_agrees_with_the_recorder(tokenizer):
+    """tirl.agent.drift on a recording: no difference where the recorder saw none (two tool calls in one
+    turn, their tool messages back to back, then another tool turn); where the recorder kept a turn the
+    template renders otherwise (compact JSON), the check finds it at that turn, in every later context."""
+    from tirl.agent.drift import check_drift
+
+    def call(code: str, compact: bool = False) -> str:
+        body = {"name": "python", "arguments": {"code": code}}
+        text = json.dumps(body, separators=(",", ":")) if compact else json.dumps(body)
+        return f"<tool_call>\n{text}\n</tool_call>"
+
+    for turns, drift in (
+        ([call("1") + "\n" + call("2") + "<|im_end|>", call("3") + "<|im_end|>", "42<|im_end|>"], False),
+        ([call("1", compact=True) + "<|im_end|>", call("3") + "<|im_end|>", "42<|im_end|>"], True),
+    ):
+        rec = ChatRecorder(SingleEnginePool(Scripted(tokenizer, turns)), tokenizer)
+        messages = conversation()
+        for outputs in (["1", "2"] if not drift else ["1"], ["3"], []):
+            reply = await rec.complete("t", {"messages": messages, "tools": TOOLS})
+            messages += [reply["choices"][0]["message"], *({"role": "tool", "content": o} for o in outputs)]
+        recorded = list(rec.recording("t").messages)
+        assert bool(rec.recording("t").drift) is drift
+        traj = await rec.finish("t")
+        report = check_drift(tokenizer, recorded, TOOLS, traj)
+        assert report.renderings == 4
+        if not drift:
+            assert report.differences == []
+            continue
+        generated = tokenizer(turns[0], add_special_tokens=False)["input_ids"]
+        rendered = tokenizer(call("1") + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        off = next(i for i, (a, b) in enumerate(zip(generated, rendered, strict=False)) if a != b)
+        at = len(traj.prompt_ids) + off
+        assert [(d.where, d.position) for d in report.differences] == [
+            ("context of turn 1", at),
+            ("context of turn 2", at),
+            ("whole conversation", at),
+        ]
+
+
 async def test_an_edited_history_and_unsupported_requests_are_refused(tokenizer):
     rec = ChatRecorder(SingleEnginePool(Scripted(tokenizer, ["a<|im_end|>"])), tokenizer)
     reply = await rec.complete("t", {"messages": conversation()})
