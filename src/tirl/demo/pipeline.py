@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tirl.agent.config import AgentConfig
 from tirl.agent.trajectory import tool_error_ratio
@@ -55,6 +55,11 @@ class DemoConfig(BaseModel):
 
     # The descriptions are `tirl demo --help`'s list of knobs (knobs_help).
     preset: str = Field("demo", description="tiny model preset (tirl model init --preset)")
+    model: str | None = Field(
+        None,
+        description="a pretrained model directory to start from instead of the tiny preset (tirl demo "
+        "--real): evaluated as it is first; no drills",
+    )
     seed: int = Field(0, description="seed of the data, the model and the first RL run")
     sft_problems: int = Field(2800, ge=1, description="synthetic problems turned into SFT traces")
     rl_problems: int = Field(2000, ge=1, description="other synthetic problems for RL")
@@ -95,6 +100,15 @@ class DemoConfig(BaseModel):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         return preset
+
+    @model_validator(mode="after")
+    def _no_drills_for_a_pretrained_model(self) -> DemoConfig:
+        if self.model is not None and (self.drill_steps or self.shaped_drill_steps):
+            raise ValueError(
+                "demo.model is a pretrained model, which copies already: set demo.drill_steps=0 and "
+                "demo.shaped_drill_steps=0 (configs/demo/real.yaml does)"
+            )
+        return self
 
 
 def knobs_help(config_dir: str | Path = CONFIG_DIR) -> str:
@@ -153,10 +167,27 @@ def load_settings(config_dir: str | Path = CONFIG_DIR, overrides: list[str] | No
 
 def quick_overrides(config_dir: str | Path = CONFIG_DIR) -> list[str]:
     """`tirl demo --quick`: quick.yaml's overrides (the command line's, given after them, win)."""
-    raw = read_yaml(Path(config_dir) / "quick.yaml")
+    return preset_overrides("quick", config_dir)
+
+
+def real_overrides(model: str | Path, config_dir: str | Path = CONFIG_DIR) -> list[str]:
+    """`tirl demo --real MODEL`: real.yaml's overrides for a pretrained model directory, then its path."""
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(
+            f"--real {model}: not a model directory (no config.json); `make smollm2` makes one "
+            "(docs/real-model.md)"
+        )
+    return [*preset_overrides("real", config_dir), f"demo.model={Path(model).resolve()}"]
+
+
+def preset_overrides(name: str, config_dir: str | Path = CONFIG_DIR) -> list[str]:
+    """The `overrides` list of configs/demo/NAME.yaml."""
+    raw = read_yaml(Path(config_dir) / f"{name}.yaml")
     items = raw.get("overrides")
     if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-        raise ConfigError(f"{config_dir}/quick.yaml: `overrides` must be a list of section.key=value strings")
+        raise ConfigError(
+            f"{config_dir}/{name}.yaml: `overrides` must be a list of section.key=value strings"
+        )
     return items
 
 
@@ -298,14 +329,24 @@ def run_demo(
     console = Console(stderr=True, quiet=not progress)
     runs: dict[str, str | None] = {"rl": None} | ({compare: COMPARE[compare]} if compare else {})
     units = [(k, name) for k in range(seeds) for name in runs]  # one RL run + its evaluation each
-    phase = Phases(console, out, total=8 + 2 * len(units), finished=_finished_phases(out))
+    phases = 8 + 2 * len(units) + (settings.demo.model is not None)
+    phase = Phases(console, out, total=phases, finished=_finished_phases(out))
     started = time.perf_counter()
     # The model and the problems are deterministic and take a second: made again on resume.
-    with phase("model", f"create the {settings.demo.preset!r} tiny model"):
+    pretrained = settings.demo.model is not None
+    what = f"load {settings.demo.model}" if pretrained else f"create the {settings.demo.preset!r} tiny model"
+    with phase("model", what):
         init_model = _create_model(settings.demo, out)
     with phase("data", "generate synthetic problems (train / held-out)"):
         sft_problems, rl_data, heldout = _make_problems(settings.demo, out)
         _check_training(settings, init_model, rl_data, out)
+    eval_dirs = {}
+    if pretrained:  # what the method starts from: the model as it is, with the same agent settings
+        eval_dirs["base"] = phase.run(
+            "eval_base",
+            "evaluate the pretrained model as it is on held-out problems",
+            partial(_evaluate_alone, settings, init_model, heldout, out / "eval_base", progress),
+        )
     traces = phase.run(
         "traces",
         "write SFT traces (real tool outputs from the sandbox)",
@@ -341,13 +382,11 @@ def run_demo(
     # One runtime for the SFT model's evaluation, the first RL run and its evaluation (SharedRuntime).
     roc, tag, seed = unit(*units[0])
     with SharedRuntime(train_config(settings, sft_model, rl_data, out, tag, roc, seed)) as shared:
-        eval_dirs = {
-            "sft": phase.run(
-                "eval_sft",
-                "evaluate the SFT model on held-out problems",
-                partial(_evaluate_into, settings, sft_model, heldout, out / "eval_sft", progress, shared),
-            )
-        }
+        eval_dirs["sft"] = phase.run(
+            "eval_sft",
+            "evaluate the SFT model on held-out problems",
+            partial(_evaluate_into, settings, sft_model, heldout, out / "eval_sft", progress, shared),
+        )
         sft_numbers = _eval_numbers(EvalReport.read(eval_dirs["sft"]))
         checks.expect(
             sft_shortfall(sft_numbers, settings.demo.min_sft_tool_use, settings.demo.min_sft_accuracy)
@@ -391,6 +430,8 @@ def run_demo(
 def _create_model(demo: DemoConfig, out: Path) -> Path:
     from tirl.tiny_model import create_tiny_model
 
+    if demo.model is not None:
+        return Path(demo.model)
     return create_tiny_model(out / "init_model", preset=demo.preset, seed=demo.seed)
 
 
@@ -616,6 +657,11 @@ async def _evaluate(settings: DemoSettings, model: Path, problems, out_dir: Path
         return await _evaluate_on(rt, settings, problems, out_dir, progress)
 
 
+def _evaluate_alone(settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool) -> Path:
+    asyncio.run(_evaluate(settings, model, problems, out_dir, progress))
+    return out_dir
+
+
 def _evaluate_into(
     settings: DemoSettings, model: Path, problems, out_dir: Path, progress: bool, shared: SharedRuntime
 ) -> Path:
@@ -760,7 +806,7 @@ def _report(
 
     numbers = {tag: _eval_numbers(report) for tag, report in evals.items()}
     training = {tag: read_metrics(d) for tag, d in train_dirs.items()}
-    accuracy = {"sft": [numbers["sft"]["accuracy"]]}
+    accuracy = {name: [numbers[name]["accuracy"]] for name in ("base", "sft") if name in numbers}
     accuracy |= {name: [numbers[t]["accuracy"] for t in tags] for name, tags in groups.items()}
     summary = {f"{name}_accuracy": round(sum(v) / len(v), 2) for name, v in accuracy.items()}
     summary |= {
@@ -792,7 +838,7 @@ def _report(
     return summary
 
 
-LABELS = {"sft": "SFT", "rl": "GRPO-RoC", "grpo": "plain GRPO"}
+LABELS = {"base": "base model", "sft": "SFT", "rl": "GRPO-RoC", "grpo": "plain GRPO"}
 
 
 def _cell(x: float | None) -> str:
@@ -868,6 +914,12 @@ def _drills_markdown(drills: dict | None) -> list[str]:
     return [f"{line[0].upper()}{line[1:]} (held-out copy accuracy by step: {curve}).", ""]
 
 
+def _model_words(demo: DemoConfig) -> str:
+    if demo.model is None:
+        return f"A {demo.preset!r} tiny Qwen3 model"
+    return f"The pretrained model {Path(demo.model).name} (evaluated as it is first)"
+
+
 def _markdown(settings: DemoSettings, summary: dict, evals: dict, plots: list[Path]) -> str:
     ev = summary["eval"]
     cols = ("accuracy", "tool_use_rate", "tool_error_ratio_in_correct", "tool_error_rate", "response_tokens")
@@ -876,7 +928,7 @@ def _markdown(settings: DemoSettings, summary: dict, evals: dict, plots: list[Pa
         "# tirl demo report",
         "",
         *(f"**Warning: {w}.**\n" for w in summary.get("warnings", [])),
-        f"A {settings.demo.preset!r} tiny Qwen3 model, SFT on programmatic tool-using traces, then "
+        f"{_model_words(settings.demo)}, SFT on programmatic tool-using traces, then "
         f"{settings.demo.rl_steps} RL steps against the real sandbox. Held-out: {summary['heldout_problems']} "
         f"synthetic problems x {summary['eval_samples']} samples at temperature {summary['eval_temperature']} "
         "(identical settings for every model).",
