@@ -1,5 +1,5 @@
-"""The service's budgets, attacked (issue 42): the reply cap on escaped JSON, body bytes reserved before
-they are read, and idle sessions that cannot starve stateless calls. Each test runs a real pool (a
+"""The service's budgets, attacked (issues 42, 70): the reply cap on escaped JSON, body bytes counted as
+they arrive, and idle sessions that cannot starve stateless calls. Each test runs a real pool (a
 stdlib-only one: it starts in a fraction of a second) behind the real app, in this process."""
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ class Upload:
 
 
 @session_loop
-async def test_concurrent_uploads_beyond_the_body_budget_are_refused_before_their_bytes_are_read():
+async def test_uploads_beyond_the_body_budget_are_refused_as_their_bytes_arrive():
+    """Bytes are counted as they arrive: a second upload is refused once what both sent passes the
+    budget, having sent at most the budget's room plus one chunk; the first then completes."""
     async with small_pool() as sb, http(sb, max_inflight_bytes=8 << 20) as client:
         release = asyncio.Event()
         first = Upload(6 << 20, hold=release)  # sends 64 KiB, then waits: its bytes are still coming
@@ -99,11 +101,11 @@ async def test_concurrent_uploads_beyond_the_body_budget_are_refused_before_thei
         started = asyncio.create_task(client.post("/run", content=first, headers=headers))
         while first.sent == 0:
             await asyncio.sleep(0.01)
-        second = Upload(6 << 20)
+        second = Upload(9 << 20)
         headers2 = {"content-type": "application/json", "content-length": str(len(second.body))}
         resp = await asyncio.wait_for(client.post("/run", content=second, headers=headers2), HANG_GUARD_S)
         assert resp.status_code == 429 and "in flight" in resp.json()["error"], resp.text[:300]
-        assert second.sent <= 64 << 10, f"{second.sent} bytes of a refused upload were read"
+        assert second.sent <= (8 << 20) - (64 << 10) + (64 << 10), f"{second.sent} bytes read past the budget"
         release.set()
         done = await asyncio.wait_for(started, HANG_GUARD_S)
         assert done.status_code == 200 and done.json()["stdout"] == f"{first.ys}\n", done.text[:300]
@@ -154,42 +156,84 @@ def _post_head(length: int) -> bytes:
     ).encode()
 
 
-@session_loop
-async def test_over_real_sockets_an_upload_beyond_the_budget_is_answered_before_it_sends_its_body():
-    """uvicorn reads a connection only as far as the app asks: the refusal needs none of the body."""
+async def _served(app):
+    """`app` on a real uvicorn at a free loopback port: (server, its task, the port)."""
     import socket
 
     import uvicorn
 
-    from tirl.sandbox.server import create_app
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(small_pool(), token="t", max_inflight_bytes=4 << 20)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    return server, serving, port
+
+
+@session_loop
+async def test_over_real_sockets_idle_connections_that_declare_huge_bodies_lock_no_one_out():
+    """Round 5, item 1: two connections declaring 64 MiB bodies and sending nothing reserved the whole
+    128 MiB budget, and every other client's /run got 429 until the body deadline. Declared lengths
+    now reserve nothing: another client is answered while they sit there."""
+    from tirl.sandbox.server import MAX_BODY_BYTES, create_app
+
+    server, serving, port = await _served(create_app(small_pool(), token="t"))  # the default budgets
+    idle = []
     try:
-        while not server.started:
-            await asyncio.sleep(0.05)
-        body = json.dumps({"code": "print(len(input()))", "stdin": "y" * (3 << 20)}).encode()
-        first_reader, first = await asyncio.open_connection("127.0.0.1", port)
-        first.write(_post_head(len(body)) + body[: 64 << 10])  # 3 MiB reserved, most still unsent
-        await first.drain()
-        await asyncio.sleep(0.3)
-        reader, second = await asyncio.open_connection("127.0.0.1", port)
-        second.write(_post_head(len(body)))  # headers only: it never sends a body byte
-        await second.drain()
-        status = await asyncio.wait_for(reader.readline(), 10)
-        assert status.startswith(b"HTTP/1.1 429"), status
-        second.close()
-        first.write(body[64 << 10 :])
-        await first.drain()
-        answer = await asyncio.wait_for(first_reader.readuntil(b'"stderr"'), 60)
-        assert answer.startswith(b"HTTP/1.1 200") and f'"stdout":"{3 << 20}\\n"'.encode() in answer, answer[
-            :300
-        ]
-        first.close()
+        for _ in range(2):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_post_head(MAX_BODY_BYTES))  # headers only: no body byte, no bandwidth
+            await writer.drain()
+            idle.append(writer)
+        await asyncio.sleep(0.5)
+        reader, other = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({"code": "print(6 * 7)"}).encode()
+        other.write(_post_head(len(body)) + body)
+        await other.drain()
+        status = await asyncio.wait_for(reader.readline(), 30)
+        assert status.startswith(b"HTTP/1.1 200"), status
+        other.close()
+    finally:
+        for writer in idle:
+            writer.close()
+        server.should_exit = True
+        await asyncio.wait_for(serving, 60)
+
+
+@session_loop
+async def test_over_real_sockets_a_body_that_stalls_holding_the_budget_is_cut():
+    """Each connection must keep sending to keep what it holds: a body that sent 3 MiB and stops is
+    answered 408 after the stall limit, its connection closed, and its bytes given back."""
+    from tirl.sandbox.body_budget import BodyBudget
+    from tirl.sandbox.server import create_app
+
+    app = create_app(small_pool(), token="t", max_inflight_bytes=4 << 20)
+    budget = _body_budget(app)
+    budget.stall_s = 1.0
+    server, serving, port = await _served(app)
+    try:
+        body = json.dumps({"code": "print(len(input()))", "stdin": "y" * (6 << 20)}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post_head(len(body)) + body[: 3 << 20])
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 30)
+        assert status.startswith(b"HTTP/1.1 408"), status
+        assert await asyncio.wait_for(reader.read(), 30) is not None  # then closed
+        assert budget.reserved == 0 and isinstance(budget, BodyBudget)
+        writer.close()
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 60)
+
+
+def _body_budget(app):
+    """The BodyBudget middleware instance inside a built app (FastAPI builds its stack lazily)."""
+    from tirl.sandbox.body_budget import BodyBudget
+
+    layer = app.build_middleware_stack()
+    app.middleware_stack = layer
+    while not isinstance(layer, BodyBudget):
+        layer = layer.app
+    return layer

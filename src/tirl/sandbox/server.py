@@ -13,8 +13,8 @@ while it is read) and arrive within BODY_TIMEOUT_S; a connection that does not f
 headers within HEADER_TIMEOUT_S is closed (slowloris). With a token, bodies are JSON whatever the
 Content-Type says (so `curl -d` works); without one, a POST must say Content-Type:
 application/json (a web page the user visits can make the browser send a plain-text POST to a
-local service without asking; a JSON one it cannot). The bytes of all request bodies in flight share one budget, reserved before
-they are read (body_budget.py; beyond it: 429), replies are capped on the JSON sent (reply.py), and
+local service without asking; a JSON one it cannot). The bytes of all request bodies in flight share one budget, counted as they
+arrive (body_budget.py; beyond it: 429), replies are capped on the JSON sent (reply.py), and
 a call or cell that could not even queue (queue full) is refused before its body is parsed.
 Anything that is not a valid request answers 4xx with a message; anything unexpected answers 503
 (SandboxClient retries it elsewhere), never 500. There are no /docs or /openapi.json pages.
