@@ -8,6 +8,7 @@ loop's trajectories and the endpoint's recordings against their template's rende
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
@@ -196,6 +197,38 @@ async def test_a_turn_sampled_in_other_tokens_is_reported_where_it_differs(token
     assert report.differences[0].rendered == [tokenizer.decode([i]) for i in canonical[off : off + 6]]
 
 
+# A ChatML template without tool support (SmolLM2-Instruct's kind): every message as
+# <|im_start|>ROLE\ncontent<|im_end|>\n, a `tools` argument ignored.
+PLAIN_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+async def test_a_template_without_tool_support_is_checked_in_tirls_layout(tokenizer):
+    """The run used tirl's built-in ChatML (the template knows no tools): rendered as the protocol writes
+    it (schemas in the system message, tool responses as user turns) there is no drift; asked for the
+    tool role, the check shows where the template's `tool` turn replaces the protocol's frame."""
+    plain = copy.copy(tokenizer)
+    plain.chat_template = PLAIN_CHATML
+    traj = await loop_trajectory(plain, DRIFT_CFG)
+    report = drift_of(plain, traj, DRIFT_CFG)
+    assert (report.tool_messages, report.renderings, report.differences) == ("user", 5, [])
+    record = {**traj.to_dict(), "problem": "6*7?"}
+    forced = check_record(plain, record, DRIFT_CFG, tool_messages="tool")
+    first_tool = len(traj.prompt_ids) + traj.loss_mask.index(0)
+    assert [d.where for d in forced.differences] == [
+        "context of turn 1",
+        "context of turn 2",
+        "context of turn 3",
+        "whole conversation",
+    ]
+    assert {d.position for d in forced.differences} == {first_tool + 2}  # after <|im_end|>\n<|im_start|>
+    there = forced.differences[0]
+    assert "".join(there.trained).startswith("user\n<tool_response>")
+    assert "".join(there.rendered).startswith("tool\n")
+
+
 async def test_the_loop_writes_chatml_frames_so_llama3_drifts_at_the_first_tool_response(llama3):
     """tirl's agent loop frames tool responses in ChatML whatever the template: with the Llama 3 template
     the check finds the first difference right after the first turn's <|eot_id|> (the template writes an
@@ -269,7 +302,7 @@ async def test_check_drift_command_on_a_saved_eval(tokenizer, tiny_model_dir, tm
     assert run.exit_code == 1, run.output
     first, second, third, summary = run.output.strip().splitlines()
     assert first == "#1 p/0: no drift (5 renderings)"
-    assert second.startswith("#2 p/0: 3 of 5 renderings differ: context of turn 2 at token")
+    assert second.startswith("#2 p/0: 3 of 5 renderings differ: context of turn 2, context of turn 3, whole")
     assert third.startswith("#3: not checked: the record holds no token ids")
     assert summary == "3 trajectories: 1 drifted, 1 clean, 1 not checked"
     run = CliRunner().invoke(

@@ -16,7 +16,9 @@ turn as an assistant message (its prefill included), and the tool outputs read f
 segments (the loss mask's 0-runs) as the protocol frames them (tirl.agent.protocol.tool_response_pieces).
 A template with tools gets them as `tool` messages; the built-in ChatML layout (a template without tool
 support, or agent.use_chat_template=false) is given as the protocol writes it: the tool schemas in the
-system message, each turn's tool responses as one user message in `<tool_response>` tags.
+system message, each turn's tool responses as one user message in `<tool_response>` tags. Asked for
+`tool` messages, a template without tool support (SmolLM2's ChatML) gets the schemas in the system
+message still, and the check shows where its tool role differs from the protocol's frame.
 """
 
 from __future__ import annotations
@@ -149,7 +151,10 @@ def conversation(
         tool_messages = "tool" if cfg.use_chat_template and supports_tools(tokenizer) else "user"
     schemas = list(tool_schemas(cfg))
     system = cfg.system_prompt if cfg.system_prompt is not None else DEFAULT_SYSTEM_PROMPT
-    if tool_messages == "user":  # tirl.agent.protocol._render_chatml's system turn
+    # tirl.agent.protocol._render_chatml's system turn; also under a template that ignores `tools`
+    # (SmolLM2's ChatML), so that "tool" mode shows where its tool role differs, not the lost schemas.
+    in_system = tool_messages == "user" or not supports_tools(tokenizer)
+    if in_system:
         lines = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
         system += f"\n\n# Tools\n<tools>\n{lines}\n</tools>"
     user = (cfg.user_prompt or DEFAULT_USER_PROMPT).format(problem=problem)
@@ -166,7 +171,7 @@ def conversation(
             calls = len(parse_tool_calls(text, cfg.max_calls_per_turn, schemas))
             outputs = _responses(tokenizer.decode(segments[k], skip_special_tokens=False), calls, again)
             messages += _tool_turn(outputs, tool_messages)
-    return messages, schemas if tool_messages == "tool" else None, tool_messages
+    return messages, None if in_system else schemas, tool_messages
 
 
 def _open_turn(text: str) -> str:
