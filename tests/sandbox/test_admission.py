@@ -120,3 +120,15 @@ def test_a_closed_pool_admits_no_session():
     with pytest.raises(SessionError, match=r"^the sandbox pool is closed$"):
         r.admit_session(1)
     assert (r.sessions_held, r.sessions_mb) == (0, 0)
+
+
+def test_an_idle_session_shrinks_to_its_use_and_grows_back_for_a_cell_only_if_it_fits():
+    adm = rule(budget_mb=1024, calls_reserve_mb=256, max_sessions=8)
+    adm.admit_session(512)
+    assert adm.resize_session(512, 20) is None and adm.sessions_mb == 20  # idle: what it uses
+    adm.admit_session(700)  # fits beside the idle one, not beside its limit
+    assert adm.resize_session(700, 700) is None
+    why = adm.resize_session(20, 512)  # its next cell needs its limit back: no room in the share
+    assert why is not None and "retry later" in why and adm.sessions_mb == 720
+    assert adm.resize_session(700, 10) is None and adm.resize_session(20, 512) is None
+    assert adm.sessions_mb == 522

@@ -131,10 +131,13 @@ async def test_a_chunked_upload_stops_at_the_budget_not_after_its_body():
 async def test_idle_sessions_cannot_hold_the_memory_stateless_calls_need():
     async with small_pool(memory_budget_mb=1024, max_sessions=16) as sb, http(sb) as client:
         sessions, refused = [], None
+        keep = {"code": "x = bytearray(100 << 20)"}  # each session really uses ~100 MiB while idle
         while refused is None and len(sessions) < 16:
             resp = await client.post("/sessions", json={"limits": {"memory_mb": 128}})
             if resp.status_code == 200:
                 sessions.append(resp.json()["session"])
+                ran = await client.post(f"/sessions/{sessions[-1]}/run", json=keep)
+                assert ran.status_code == 200 and ran.json()["status"] == "ok", ran.text
             else:
                 refused = resp
         assert refused is not None and refused.status_code == 429, "sessions took the whole budget"
@@ -237,3 +240,42 @@ def _body_budget(app):
     while not isinstance(layer, BodyBudget):
         layer = layer.app
     return layer
+
+
+@session_loop
+async def test_over_real_sockets_one_clients_idle_sessions_do_not_lock_another_out():
+    """Round 5, item 2: idle sessions held their whole limits, so one client's idle sessions (really
+    using a few MiB each) took the sessions' whole share and another client's open got 429 for as long
+    as they lived. An idle session now holds what it uses; its cells still get its whole limit."""
+    from tirl.sandbox.server import create_app
+
+    pool = small_pool(memory_budget_mb=1024, max_sessions=16)
+    server, serving, port = await _served(create_app(pool, token="t"))
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer t"}
+    try:
+        async with (
+            httpx.AsyncClient(base_url=url, headers=auth, timeout=120) as greedy,
+            httpx.AsyncClient(base_url=url, headers=auth, timeout=120) as other,
+        ):
+            share = pool.health()["memory_budget_mb"] - pool.health()["memory_kept_for_calls_mb"]
+            opened = []
+            for _ in range(share // 128):  # limits that add up to the sessions' whole share
+                resp = await greedy.post("/sessions", json={"limits": {"memory_mb": 128}})
+                assert resp.status_code == 200, resp.text
+                opened.append(resp.json()["session"])
+            resp = await other.post("/sessions", json={"limits": {"memory_mb": 128}})
+            assert resp.status_code == 200, f"another client was locked out of sessions: {resp.text}"
+            mine = resp.json()["session"]
+            cell = {"code": "x = bytearray(100 << 20)\nprint(len(x))"}  # 100 MiB of its 128 MiB limit
+            resp = await other.post(f"/sessions/{mine}/run", json=cell)
+            assert resp.status_code == 200 and resp.json()["stdout"] == f"{100 << 20}\n", resp.text
+            resp = await greedy.post(f"/sessions/{opened[0]}/run", json={"code": "print(6 * 7)"})
+            assert resp.status_code == 200 and resp.json()["stdout"] == "42\n", resp.text
+            held = pool.health()["memory_reserved_by_sessions_mb"]
+            assert held <= share, (held, share)
+            for sid in [*opened, mine]:
+                await greedy.delete(f"/sessions/{sid}")
+        assert pool.health()["memory_reserved_mb"] == 0
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 60)

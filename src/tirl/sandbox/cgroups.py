@@ -78,6 +78,8 @@ class SlotCgroup:
             )
             files["memory_limit"] = (f"{self.memory_dir}/{names[0]}", os.O_WRONLY)
             files["oom"] = (f"{self.memory_dir}/{names[1]}", os.O_RDONLY)
+            usage = "memory.current" if self.v2 else "memory.usage_in_bytes"
+            files["memory_usage"] = (f"{self.memory_dir}/{usage}", os.O_RDONLY)
         if self.pids_dir:
             files["pids_max"] = (f"{self.pids_dir}/pids.max", os.O_WRONLY)
         if self.cpuacct_dir:
@@ -126,6 +128,13 @@ class SlotCgroup:
             if key == "oom_kill":
                 return int(value)
         return 0
+
+    def memory_bytes(self) -> int | None:
+        """The memory the group's processes use now, page cache and tmpfs included (None: no memory
+        cgroup)."""
+        if "memory_usage" not in self._fds:
+            return None
+        return int(os.pread(self._fds["memory_usage"], 64, 0))
 
     def cpu_ns(self) -> int | None:
         """CPU time used by the slot's processes so far (None without CPU accounting)."""

@@ -61,6 +61,8 @@ class Session:
     owner: Any = None  # the Sandbox pool that opened it (its run/close go through the pool)
     uid_index: int = 0  # which of the pool's session uids it runs as
     released: bool = False  # its uid and memory were given back to the pool
+    # What it holds of the pool's memory budget: its limit from its open and in a cell, its use between.
+    held_mb: int = field(init=False, default=0)
     exited: bool = False  # its process is known to be gone
     closing: asyncio.Future | None = None  # the pool's one close of it, once started
     # One cell at a time: held by the pool from before a cell waits for a slot until it ends.
@@ -70,6 +72,7 @@ class Session:
 
     def __post_init__(self) -> None:
         self._quiet.set()
+        self.held_mb = self.limits.memory_mb
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> ExecResult:
         """Run one cell in this session (same contract as Sandbox.run)."""
@@ -264,6 +267,17 @@ class Session:
         if self.child.request >= 0:
             loop.remove_writer(self.child.request)
 
+    def memory_in_use_mb(self) -> int:
+        """What the session uses now, in MiB rounded up (at least 1, at most its limit): its cgroup's
+        memory (every process of it, page cache and tmpfs files included); without one (not root), its
+        interpreter's resident memory."""
+        used = self.cgroup.memory_bytes()
+        if used is None:
+            used = _resident_bytes(self.child.pid)
+        if used is None:
+            return self.limits.memory_mb  # unknown: it holds what it may use
+        return max(1, min(self.limits.memory_mb, -(-used // MiB)))
+
     def _pause(self) -> None:
         """Between cells nothing of the session runs: not a thread a cell left spinning, not a cell
         that wrote the end-of-cell marker itself to return early (that marker is in-band: user code
@@ -309,6 +323,18 @@ class Session:
             if not any(os.path.isdir(d) for d in self.cgroup.dirs()):
                 break
             await asyncio.sleep(0.01)
+
+
+def _resident_bytes(pid: int) -> int | None:
+    """VmRSS of a process (None if it is gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _settle(future: asyncio.Future, value: str) -> None:

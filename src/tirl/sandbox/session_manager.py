@@ -3,7 +3,8 @@
 `Sandbox` (pool.py) runs stateless calls on its slots; this manager owns the sessions (session.py:
 one session's process and pipes). Both ask one `Admission` (admission.py) before anything waits:
 the session cap, the memory budget (sessions share what the budget leaves after the share kept for
-stateless calls) and the queue bound over calls and session cells together. A session's process
+stateless calls; a session holds its limit while it opens and while a cell runs, and what it really
+uses while idle) and the queue bound over calls and session cells together. A session's process
 comes from the pool's session zygote (a zygote that serves no call, so no call, recycle or respawn
 ends a session), gets its own uid, network namespace and (as root) its own cgroup; a cell holds one
 of the pool's slots only while it runs. docs/sandbox-sessions.md states the guarantees.
@@ -87,6 +88,7 @@ class SessionManager:
             if session is None:
                 self._release_held(uid_index, limits.memory_mb)
         self.live[session.id] = session
+        self._settle(session)
         self._reap_idle_later()
         return session
 
@@ -106,7 +108,16 @@ class SessionManager:
         """Give back what a session held, once (its process is gone)."""
         if not session.released:
             session.released = True
-            self._release_held(session.uid_index, session.limits.memory_mb)
+            self._release_held(session.uid_index, session.held_mb)
+
+    def _settle(self, session: Session) -> None:
+        """An idle session holds what it uses (frozen, it cannot grow until its next cell)."""
+        if session.released or session.lost is not None:
+            return
+        used = session.memory_in_use_mb()
+        if used < session.held_mb:
+            self.admission.resize_session(session.held_mb, used)
+            session.held_mb = used
 
     async def _start(self, limits: Limits, uid_index: int) -> Session:
         uid = self.first_uid + uid_index if self.first_uid is not None else None
@@ -206,12 +217,19 @@ class SessionManager:
         slot = await self.host.acquire_slot(deadline - time.monotonic())
         if slot is None:
             return _no_slot(self.host.queue_timeout_s)
+        # A cell may use the session's whole limit: held again while it runs, given back after.
+        if (why := self.admission.resize_session(session.held_mb, session.limits.memory_mb)) is not None:
+            self.host.release_slot(slot)
+            return ExecResult(Status.QUEUE_TIMEOUT, message=why)
+        session.held_mb = session.limits.memory_mb
         try:
             return await session.run_cell(code, stdin, timeout)
         finally:
             self.host.release_slot(slot)
             if session.lost is not None and session.exited:
                 self._release(session)  # its memory and uid are free now; it stays listed to say why
+            else:
+                self._settle(session)
 
     # ---- closing ----
 
