@@ -233,8 +233,8 @@ def test_an_override_error_names_the_command_line_not_the_file():
     done = _tirl("train", "--config", str(train), "optim.lrr=1")
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
-        "error: invalid command-line override:",
-        "  optim.lrr: Extra inputs are not permitted (got 1); did you mean 'lr'? (from optim.lrr=1)",
+        "error: invalid command-line override optim.lrr=1:",
+        "  optim.lrr: Extra inputs are not permitted (got 1); did you mean 'lr'?",
     ]
 
 
@@ -247,9 +247,8 @@ def test_a_config_error_beside_an_override_names_both(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(TrainConfig, bad, ["algorithm.group_size=x"])
     lines = str(e.value).splitlines()
-    assert lines[0] == f"invalid config in {bad} and its command-line overrides:"
-    assert any(line.endswith("(from algorithm.group_size=x)") for line in lines)
-    assert any(line.startswith("  optim.lrr:") and "(from" not in line for line in lines)
+    assert lines[0] == f"invalid config in {bad} and its command-line override algorithm.group_size=x:"
+    assert {line.split(":")[0] for line in lines[1:]} == {"  algorithm.group_size", "  optim.lrr"}
 
 
 @pytest.mark.parametrize(

@@ -187,14 +187,12 @@ def validate(model: type[M], data: dict[str, Any], where: str = "", typed: dict[
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        lines, from_line = [], 0
-        for err in e.errors():
-            key = ".".join(str(p) for p in err["loc"])
-            item = _typed_override(key, typed or {})
-            from_line += item is not None
-            shown = f" (from {item})" if item else ""
-            lines.append(f"  {key}: {_message(err, model)}{shown}")
-        raise ConfigError(_invalid_header(where, from_line, len(lines)) + "\n".join(lines)) from e
+        errors = e.errors()
+        keys = [".".join(str(p) for p in err["loc"]) for err in errors]
+        lines = [f"  {key}: {_message(err, model)}" for key, err in zip(keys, errors, strict=True)]
+        items = [item for key in keys if (item := _typed_override(key, typed or {})) is not None]
+        header = _invalid_header(where, list(dict.fromkeys(items)), from_file=len(items) < len(keys))
+        raise ConfigError(header + "\n".join(lines)) from e
 
 
 def _typed_override(key: str, typed: dict[str, str]) -> str | None:
@@ -203,10 +201,13 @@ def _typed_override(key: str, typed: dict[str, str]) -> str | None:
     return typed[max(owners, key=len)] if owners else None
 
 
-def _invalid_header(where: str, from_line: int, errors: int) -> str:
-    if from_line == errors:  # the file itself is valid: naming it would send the user to the wrong place
-        return f"invalid command-line override{'s' if errors > 1 else ''}:\n"
-    return f"invalid config{where}{' and its command-line overrides' if from_line else ''}:\n"
+def _invalid_header(where: str, items: list[str], from_file: bool) -> str:
+    """Who is wrong: the file (`where`), the command-line overrides `items`, or both. A valid file is not
+    named when only overrides are wrong: it would send the user to the wrong place."""
+    typed = f"command-line override{'s' if len(items) > 1 else ''} {', '.join(items)}" if items else ""
+    if not from_file:
+        return f"invalid {typed}:\n"
+    return f"invalid config{where}{f' and its {typed}' if typed else ''}:\n"
 
 
 def _message(err: dict, model: type[BaseModel]) -> str:
