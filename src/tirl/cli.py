@@ -805,7 +805,7 @@ def view_command(
 
 @app.command("check-drift")
 def check_drift_command(
-    path: str = typer.Argument(..., help="An eval output dir or its trajectories.jsonl (token ids kept)."),
+    path: str = typer.Argument(..., help="An eval output dir, a training run dir, or a trajectories.jsonl."),
     model: str = typer.Option(..., "--model", help="The model directory: its tokenizer and chat template."),
     tool_messages: str = typer.Option(
         "auto", "--tool-messages", help="auto, tool (the template's tool role) or user (tirl's ChatML)."

@@ -24,6 +24,7 @@ from tirl.agent.openai_server import ChatRecorder, template_policy
 from tirl.cli import app
 from tirl.data.problem import Problem
 from tirl.engines.base import Generation, SamplingParams, SingleEnginePool
+from tirl.rl.trajectory_sample import compact
 
 TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {"properties": {"code": {}}}}}]
 
@@ -288,23 +289,33 @@ async def test_recorded_consecutive_tool_calls_render_as_recorded_on_qwen3(qwen3
     assert report.renderings == 4 and report.differences == []
 
 
-async def test_check_drift_command_on_a_saved_eval(tokenizer, tiny_model_dir, tmp_path):
-    """`tirl check-drift` on an eval's trajectories.jsonl: one line per trajectory, exit 1 on drift, and
-    a training run's sample (no token ids) said to be not checked."""
-    traj = await loop_trajectory(tokenizer, DRIFT_CFG)
-    record = {**traj.to_dict(), "problem": "6*7?", "benchmark": "b"}
-    split = {**(await split_trajectory(tokenizer))[0].to_dict(), "problem": "6*7?", "benchmark": "b"}
-    compact = {k: v for k, v in record.items() if k not in ("prompt_ids", "response_ids", "loss_mask")}
+async def test_check_drift_command_on_saved_trajectories(tokenizer, tiny_model_dir, tmp_path):
+    """`tirl check-drift` on an eval's trajectories.jsonl (token ids: token by token) and on a training
+    run's sample (no ids: the token counts at each turn boundary): one line per trajectory, exit 1 on
+    drift; a record with neither is said to be not checked."""
+    clean, split = loop_trajectory(tokenizer, DRIFT_CFG), split_trajectory(tokenizer)
+    clean, split = await clean, (await split)[0]
+    lines = [{**t.to_dict(), "problem": "6*7?"} for t in (clean, split)]
+    lines += [{**compact(t), "problem": "6*7?"} for t in (clean, split)]
+    lines += [{k: v for k, v in lines[2].items() if k != "turn_tokens"}]
     (tmp_path / "metrics.json").write_text(json.dumps({"config": {"agent": DRIFT_CFG.model_dump()}}))
-    lines = [record, split, compact]
     (tmp_path / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     run = CliRunner().invoke(app, ["check-drift", str(tmp_path), "--model", str(tiny_model_dir)])
     assert run.exit_code == 1, run.output
-    first, second, third, summary = run.output.strip().splitlines()
-    assert first == "#1 p/0: no drift (5 renderings)"
-    assert second.startswith("#2 p/0: 3 of 5 renderings differ: context of turn 2, context of turn 3, whole")
-    assert third.startswith("#3: not checked: the record holds no token ids")
-    assert summary == "3 trajectories: 1 drifted, 1 clean, 1 not checked"
+    ids, ids_split, counts, counts_split, neither, summary = run.output.strip().splitlines()
+    assert ids == "#1 p/0: no drift (5 renderings)"
+    assert ids_split.startswith(
+        "#2 p/0: 3 of 5 renderings differ: context of turn 2, context of turn 3, whole"
+    )
+    assert counts == "#3 p/0: no drift (token counts of 5 renderings)"
+    # " again" sampled in more tokens than the tokenizer's own: every later boundary is off by as many
+    extra = len(split.response_ids) - len(clean.response_ids)
+    third = [i for i, m in enumerate(split.loss_mask) if m and not split.loss_mask[i - 1]][1]
+    assert extra > 0 and counts_split.startswith("#4 p/0: 3 of token counts of 5 renderings differ: ")
+    trained = len(split.prompt_ids) + third
+    assert f"context of turn 2: {trained} tokens trained, {trained - extra} rendered" in counts_split
+    assert neither == "#5: not checked: the record holds neither token ids nor token counts"
+    assert summary == "5 trajectories: 2 drifted, 2 clean, 1 not checked"
     run = CliRunner().invoke(
         app, ["check-drift", str(tmp_path), "--model", str(tiny_model_dir), "--limit", "1"]
     )

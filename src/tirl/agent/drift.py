@@ -53,6 +53,7 @@ class Difference:
     before: str  # the tokens before it (the same on both sides), decoded
     trained: list[str]  # the trained tokens from it on, each decoded alone (a split shows)
     rendered: list[str]  # the template's tokens from it on
+    rendered_length: int | None = None  # counts only: the rendering's tokens where `position` were trained
 
 
 @dataclass
@@ -60,6 +61,7 @@ class DriftReport:
     renderings: int = 0  # renderings compared with the trained tokens
     differences: list[Difference] = field(default_factory=list)
     tool_messages: str = "tool"  # how tool output reached the template: "tool" messages or "user" turns
+    counts_only: bool = False  # no token ids in the record: token counts at the turn boundaries compared
 
 
 def check_drift(
@@ -140,13 +142,17 @@ def _decode_from(tokenizer, at: int, *sides: list[int], width: int = 6) -> list[
 
 
 def conversation(
-    tokenizer, traj: Trajectory, problem: str, cfg: AgentConfig, tool_messages: str = "auto"
+    tokenizer,
+    problem: str,
+    cfg: AgentConfig,
+    turns: Sequence[str],
+    segments: Sequence[str],
+    tool_messages: str = "auto",
 ) -> tuple[list[dict], list[dict] | None, str]:
-    """The messages, the tools and the tool-message mapping ("tool" or "user") of a loop trajectory with
-    token ids. `tool_messages="auto"`: tool messages where the run rendered its prompt with the template
-    (it has tools and agent.use_chat_template), else the protocol's built-in ChatML layout."""
-    if not traj.prompt_ids or len(traj.loss_mask) != len(traj.response_ids):
-        raise DriftError("the record holds no token ids (a training run's sample keeps counts only)")
+    """The messages, the tools and the tool-message mapping ("tool" or "user") of a loop trajectory: its
+    model turns and the tool-response segment after each, as decoded. `tool_messages="auto"`: tool
+    messages where the run rendered its prompt with the template (it has tools and
+    agent.use_chat_template), else the protocol's built-in ChatML layout."""
     if tool_messages == "auto":
         tool_messages = "tool" if cfg.use_chat_template and supports_tools(tokenizer) else "user"
     schemas = list(tool_schemas(cfg))
@@ -159,19 +165,58 @@ def conversation(
         system += f"\n\n# Tools\n<tools>\n{lines}\n</tools>"
     user = (cfg.user_prompt or DEFAULT_USER_PROMPT).format(problem=problem)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    again = cfg.prefill if cfg.continue_prefill is None else cfg.continue_prefill
-    turns = generated_runs(traj.response_ids, traj.loss_mask)
-    segments = _tool_runs(traj)
-    for k, run in enumerate(turns):
-        text = tokenizer.decode(run, skip_special_tokens=False)
+    again = _again(cfg)
+    for k, text in enumerate(turns):
         messages.append(
             {"role": "assistant", "content": (cfg.prefill if k == 0 else again) + _open_turn(text)}
         )
         if k < len(segments):
             calls = len(parse_tool_calls(text, cfg.max_calls_per_turn, schemas))
-            outputs = _responses(tokenizer.decode(segments[k], skip_special_tokens=False), calls, again)
-            messages += _tool_turn(outputs, tool_messages)
+            messages += _tool_turn(_responses(segments[k], calls, again), tool_messages)
     return messages, None if in_system else schemas, tool_messages
+
+
+def _again(cfg: AgentConfig) -> str:
+    return cfg.prefill if cfg.continue_prefill is None else cfg.continue_prefill
+
+
+def decoded_turns(tokenizer, traj: Trajectory) -> tuple[list[str], list[str]]:
+    """The model turns and tool-response segments of a trajectory with token ids, each run decoded."""
+    if not traj.prompt_ids or len(traj.loss_mask) != len(traj.response_ids):
+        raise DriftError("the record holds no token ids")
+    flipped = [1 - m for m in traj.loss_mask]
+    first = traj.loss_mask.index(1) if 1 in traj.loss_mask else len(flipped)
+    runs = (
+        generated_runs(traj.response_ids, traj.loss_mask),
+        generated_runs(traj.response_ids[first:], flipped[first:]),
+    )
+    turns, segments = ([tokenizer.decode(r, skip_special_tokens=False) for r in side] for side in runs)
+    return turns, segments
+
+
+def located_turns(traj: Trajectory, cfg: AgentConfig) -> tuple[list[str], list[str]]:
+    """The model turns and tool-response segments of a record without token ids (a training run's
+    sample), the segments located in its decoded text: each ends at the first frame close followed by
+    the next turn (a tool output that prints both could move it; records with ids are exact)."""
+    text, turns, tail = (
+        traj.response_text,
+        traj.model_turns,
+        f"<|im_end|>\n<|im_start|>assistant\n{_again(cfg)}",
+    )
+    segments, at = [], 0
+    for k, turn in enumerate(turns):
+        if not text.startswith(turn, at):
+            raise DriftError(f"model turn {k} is not where the record's text has it")
+        at += len(turn)
+        if k + 1 < len(turns):
+            end = text.find(tail + turns[k + 1], at)
+            if end < 0:
+                raise DriftError(f"no tool-response segment found after model turn {k}")
+            segments.append(text[at : end + len(tail)])
+            at = end + len(tail)
+        elif at < len(text):
+            segments.append(text[at:])
+    return turns, segments
 
 
 def _open_turn(text: str) -> str:
@@ -180,13 +225,6 @@ def _open_turn(text: str) -> str:
         if text.endswith(eot):
             return text[: -len(eot)]
     return text
-
-
-def _tool_runs(traj: Trajectory) -> list[list[int]]:
-    """The tool-response segments after each generated run (the loss mask's 0-runs after the first 1)."""
-    flipped = [1 - m for m in traj.loss_mask]
-    first = traj.loss_mask.index(1) if 1 in traj.loss_mask else len(flipped)
-    return generated_runs(traj.response_ids[first:], flipped[first:])
 
 
 def _responses(segment: str, calls: int, prefill: str) -> list[str]:
@@ -207,25 +245,85 @@ def _tool_turn(outputs: list[str], tool_messages: str) -> list[dict]:
 
 
 def check_record(tokenizer, record: dict, cfg: AgentConfig, tool_messages: str = "auto") -> DriftReport:
-    """`check_drift` on one stored trajectory of tirl's agent loop (a line of an eval's
-    trajectories.jsonl); DriftError when it cannot be checked."""
+    """The drift of one stored trajectory of tirl's agent loop: token by token where the record keeps
+    its ids (an eval's trajectories.jsonl), else by the token count at each turn boundary (a training
+    run's sample keeps `prompt_tokens` and `turn_tokens`); DriftError when it cannot be checked."""
     traj = Trajectory.from_dict(record)
-    messages, tools, mode = conversation(tokenizer, traj, str(record.get("problem", "")), cfg, tool_messages)
-    return check_drift(tokenizer, messages, tools, traj, cfg.prefill, cfg.continue_prefill, mode)
+    problem = str(record.get("problem", ""))
+    if traj.prompt_ids:
+        turns, segments = decoded_turns(tokenizer, traj)
+        messages, tools, mode = conversation(tokenizer, problem, cfg, turns, segments, tool_messages)
+        return check_drift(tokenizer, messages, tools, traj, cfg.prefill, cfg.continue_prefill, mode)
+    prompt, counts = record.get("prompt_tokens"), record.get("turn_tokens")
+    if not isinstance(prompt, int) or not isinstance(counts, list):
+        raise DriftError("the record holds neither token ids nor token counts")
+    turns, segments = located_turns(traj, cfg)
+    messages, tools, mode = conversation(tokenizer, problem, cfg, turns, segments, tool_messages)
+    bounds = [prompt + sum(g + t for g, t in counts[:k]) for k in range(len(counts) + 1)]
+    return check_counts(tokenizer, messages, tools, bounds, cfg.prefill, _again(cfg), mode)
+
+
+def check_counts(
+    tokenizer,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None,
+    bounds: Sequence[int],
+    prefill: str,
+    again: str,
+    tool_messages: str,
+) -> DriftReport:
+    """`check_drift` without the trained ids: each rendering's token count against the trained count at
+    that boundary (`bounds`: where each turn starts, then the end). Equal counts do not prove equal
+    tokens; a different count proves drift."""
+    report = DriftReport(tool_messages=tool_messages, counts_only=True)
+    assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    for k, index in enumerate(assistants):
+        text = _render(tokenizer, messages[:index], tools, True) + (prefill if k == 0 else again)
+        _count(tokenizer, report, f"context of turn {k}", encode(tokenizer, text), bounds[k])
+    ends_in_tool = bool(messages) and messages[-1].get("role") != "assistant"
+    rendered = encode(
+        tokenizer, _render(tokenizer, messages, tools, ends_in_tool) + (again if ends_in_tool else "")
+    )
+    rest = tokenizer.decode(rendered[bounds[-1] :], skip_special_tokens=True)
+    _count(
+        tokenizer,
+        report,
+        "whole conversation",
+        rendered[: bounds[-1]] if not rest.strip() else rendered,
+        bounds[-1],
+    )
+    return report
+
+
+def _count(tokenizer, report: DriftReport, where: str, rendered: list[int], trained: int) -> None:
+    report.renderings += 1
+    if len(rendered) != trained:
+        at = min(len(rendered), trained)
+        before = _decode(tokenizer, rendered[max(0, at - 8) : at])
+        report.differences.append(
+            Difference(where, trained, before, [], _decode_from(tokenizer, at, rendered)[0], len(rendered))
+        )
 
 
 def describe(index: int, record: dict, report: DriftReport) -> str:
     """One line per trajectory: where its renderings differ from the trained tokens (each distinct
     position once, with the renderings that differ there)."""
     name = f"#{index + 1} {record.get('problem_id', '?')}/{record.get('sample_index', 0)}"
+    kind = "token counts of " if report.counts_only else ""
     if not report.differences:
-        return f"{name}: no drift ({report.renderings} renderings)"
+        return f"{name}: no drift ({kind}{report.renderings} renderings)"
     shown = []
     for at in sorted({d.position for d in report.differences}):
         here = [d for d in report.differences if d.position == at]
-        first = here[0]
-        shown.append(
-            f"{', '.join(d.where for d in here)} at token {at}, after {first.before!r}: "
-            f"trained {first.trained}, template {first.rendered}"
-        )
-    return f"{name}: {len(report.differences)} of {report.renderings} renderings differ: {'; '.join(shown)}"
+        first, wheres = here[0], ", ".join(d.where for d in here)
+        if first.rendered_length is not None:
+            shown.append(
+                f"{wheres}: {at} tokens trained, {first.rendered_length} rendered, after {first.before!r}"
+            )
+        else:
+            shown.append(
+                f"{wheres} at token {at}, after {first.before!r}: "
+                f"trained {first.trained}, template {first.rendered}"
+            )
+    differ = f"{len(report.differences)} of {kind}{report.renderings} renderings differ"
+    return f"{name}: {differ}: {'; '.join(shown)}"
