@@ -177,7 +177,8 @@ def test_a_rank_without_engines_gathers_every_tensor_in_the_order_rank_0_sends_t
 def test_save_restore_and_a_fresh_optimizer_go_to_the_policy(tiny_model_dir, tmp_path):
     learner = _trained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    learner.save(tmp_path, 3, tokenizer, {"step": 3, "note": "x"}, keep_last=1)
+    learner.stage_checkpoint(tmp_path, 3)  # right after the update, in a run (tirl.rl.trainer.rl_step)
+    learner.publish_checkpoint(tmp_path, 3, tokenizer, {"step": 3, "note": "x"}, keep_last=1)
     ckpt = tmp_path / "checkpoints" / "step_000003"
     assert AutoTokenizer.from_pretrained(ckpt / "model").get_vocab() == tokenizer.get_vocab()
     state = load_trainer_state(ckpt)

@@ -148,6 +148,7 @@ class RecordingLearner:
         self.delay, self.sharded = delay, sharded
         self.where = {"params": "cpu", "optimizer": "cpu"}
         self.saved_from: list[dict[str, str]] = []
+        self.published: list[int] = []
         self.reference_from: list[str] = []  # where the parameters were at each reference snapshot
         if resident:
             self._move("params", "cuda")
@@ -195,13 +196,16 @@ class RecordingLearner:
         self._timed("sync", go)
         return {}
 
-    def save(self, run_dir, step, tokenizer, state, keep_last) -> None:
+    def stage_checkpoint(self, run_dir, step) -> None:
         def go() -> None:
             if self.sharded and "cpu" in self.where.values():
                 raise RuntimeError(NCCL_CPU_ERROR)  # full_tensor() of host shards over an NCCL group
             self.saved_from.append(dict(self.where))
 
         self._timed("save", go)
+
+    def publish_checkpoint(self, run_dir, step, tokenizer, state, keep_last) -> None:
+        self._timed("publish", lambda: self.published.append(step))
 
     def reset_optimizer(self, total_steps: int) -> None: ...
 

@@ -113,3 +113,14 @@ def test_colocate_is_validated(tmp_path):
     for message, overrides in bad.items():
         with pytest.raises(ConfigError, match=message):
             load_config(TrainConfig, _config(tmp_path), overrides)
+
+
+def test_local_vllm_engines_on_the_trainers_gpus_must_sleep(tmp_path):
+    """Issue 68, fix 7: backend=local puts engine i on cuda:i next to torchrun rank i, so vLLM engines on
+    GPUs that cannot sleep keep gpu_memory_utilization of the memory the rank trains in: refused as on
+    Ray. On a CPU, with sleep mode, or with async engines (they never lend) it is allowed."""
+    vllm = ["engine.backend=vllm", "engine.device=cuda"]
+    with pytest.raises(ConfigError, match=r"cluster\.backend=local .*set engine\.enable_sleep_mode=true"):
+        load_config(TrainConfig, _config(tmp_path), vllm)
+    assert load_config(TrainConfig, _config(tmp_path), [*vllm, "engine.enable_sleep_mode=true"])
+    assert load_config(TrainConfig, _config(tmp_path), ["engine.backend=vllm", "engine.device=cpu"])

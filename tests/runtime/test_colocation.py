@@ -138,3 +138,47 @@ async def test_rl_step_hands_memory_over_in_order():
         "engine_wake_kv",
     ]
     assert _overlap(log, "engine_sleep") and _overlap(log, "engine_wake_kv")
+
+
+class CPUEngine(FakeVLLMEngine):
+    """An engine with nothing to free (no sleep mode, or on a CPU): its sleep says so."""
+
+    def sleep(self, discard_weights: bool = False) -> bool:
+        self.log.timed(f"engine_sleep:{self.name}")
+        return False
+
+
+async def test_engines_that_free_nothing_lend_nothing():
+    """Issue 68, fix 7: when no engine slept, the trainer's state is not moved back (it never left)
+    nor sent away after the update: moving it would take memory the awake engines still hold."""
+    log = Log()
+    engines = [CPUEngine("e0", log)]
+    runtime = Runtime(engines, SingleEnginePool(engines[0]), executor=None, scorer=None, tokenizer=None)
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(async_=False), cluster=ClusterConfig(), run_dir=None)
+    info = SimpleNamespace(is_main=False, enabled=False)  # the update/sync half of the step
+    run = Run(cfg, info, FakeLearner(log), runtime, TrainerState(), logger=None, alerts=None)
+    metrics = await rl_step(run, producer=None)
+    assert metrics["colocate/engines_asleep"] == 0
+    assert log.order() == ["engine_sleep", "update", "sync"]
+
+
+async def test_the_trainer_lets_go_before_the_runtime_opens_its_engines():
+    """Issue 68, fix 4: the start-of-run offload belongs to the runtime's hand-over, for both backends
+    (it was the Ray learner's alone; under torchrun the engines started next to a resident trainer and
+    sized their KV cache without its memory). The state comes back at the first update."""
+    from contextlib import asynccontextmanager
+
+    from tirl.runtime.colocation import open_lending
+
+    log = Log()
+
+    @asynccontextmanager
+    async def open_engines():
+        log.timed("runtime_open")
+        yield _runtime(log, 1)
+
+    info = SimpleNamespace(is_main=True, enabled=False)
+    async with open_lending(FakeLearner(log), info, True, open_engines) as lending:
+        assert lending.engines is not None
+        lending.to_trainer()
+    assert log.order() == ["trainer_offload_all", "runtime_open", "engine_sleep", "trainer_onload"]

@@ -229,7 +229,8 @@ def test_every_rank_takes_every_call_with_its_arguments(pool):
     learner.reset_optimizer(7)
     learner.snapshot_reference()
     learner.restore({"step": 3})
-    learner.save("run", 3, "tok", {"step": 3}, 2)
+    learner.stage_checkpoint("run", 3)
+    learner.publish_checkpoint("run", 3, "tok", {"step": 3}, 2)
     want = [
         ("offload", "params"),
         ("onload",),
@@ -237,7 +238,8 @@ def test_every_rank_takes_every_call_with_its_arguments(pool):
         ("reset_optimizer", 7),
         ("snapshot_reference",),
         ("restore", {"step": 3}),
-        ("save", "run", 3, "tok", {"step": 3}, 2),
+        ("stage_checkpoint", "run", 3),
+        ("publish_checkpoint", "run", 3, "tok", {"step": 3}, 2),
     ]
     assert [_calls(w) for w in workers] == [want, want]
     quiet = RayLearner(_take(pool, [False, False]), bucket_bytes=2**20, backend="gloo", sends="full")

@@ -61,8 +61,11 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     faulthandler.enable()  # a rank that aborts in native code says where in Python it was
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout_s()))
-    waits = RankZeroGate(dist.get_rank())  # rollouts run on rank 0 while the others wait
+        # The rendezvous waits as long as rank 0's start may take (its memory preflight, a slow import),
+        # the collectives after it only the collective timeout.
+        dist.init_process_group(backend, timeout=WAIT_TIMEOUT)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout_s()))
+    waits = RankZeroGate(dist.get_rank(), dist.get_world_size())  # rank 0's own work: the others wait
     rank = dist.get_rank()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -74,10 +77,11 @@ class RankZeroGate:
     """The other ranks wait for rank 0 on the rendezvous store (the one address every rank reached at
     start; no new group, whose sockets would bind where the hostname resolves), so the collective that
     follows starts with rank 0 present and its short timeout holds. Every rank passes the gates in the
-    same order: the n-th gate is key n."""
+    same order: the n-th gate is key n. Rank 0 passes once every other rank has answered (each sets
+    its own key on waking), so none is still waking up when rank 0's first send starts the timeout."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank, self.passed = rank, 0
+    def __init__(self, rank: int, world: int = 0) -> None:
+        self.rank, self.world, self.passed = rank, world, 0
 
     def wait(self) -> None:
         self.passed += 1
@@ -85,11 +89,15 @@ class RankZeroGate:
         key = f"tirl/rank0/{self.passed}"
         if self.rank == 0:
             store.set(key, b"1")
+            store.wait([f"{key}/{r}" for r in range(1, self.world)], WAIT_TIMEOUT)
         else:
             store.wait([key], WAIT_TIMEOUT)
+            store.set(f"{key}/{self.rank}", b"1")
 
 
-def _after_rank_zero(info: DistInfo) -> None:
+def wait_for_rank_zero(info: DistInfo) -> None:
+    """The other ranks wait here for rank 0 as long as its own work takes (a rollout, an export, reading
+    or merging the model), so the collective that follows starts with rank 0 present."""
     gate = getattr(info, "waits", None)
     if gate is not None:
         gate.wait()
@@ -223,7 +231,7 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     if not info.enabled:
         return obj
     box = [obj]
-    _after_rank_zero(info)
+    wait_for_rank_zero(info)
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -231,7 +239,7 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
 def barrier(info: DistInfo) -> None:
     """Every rank here (waiting as long as rank 0's engine moves or an export take)."""
     if info.enabled:
-        _after_rank_zero(info)
+        wait_for_rank_zero(info)
         dist.barrier()
 
 

@@ -54,9 +54,15 @@ class Learner(Protocol):
 
     def restore(self, saved: dict) -> None: ...
 
-    def save(
+    def stage_checkpoint(self, run_dir: Path, step: int) -> None:
+        """Every rank's shards and the model export into a staging directory (the state on its devices)."""
+        ...
+
+    def publish_checkpoint(
         self, run_dir: Path, step: int, tokenizer: PreTrainedTokenizerBase | None, state: dict, keep_last: int
-    ) -> None: ...
+    ) -> None:
+        """The staged checkpoint with the trainer's `state`, moved into place (host memory only)."""
+        ...
 
 
 @asynccontextmanager

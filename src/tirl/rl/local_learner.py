@@ -103,10 +103,13 @@ class LocalLearner:
     def restore(self, saved: dict) -> None:
         self.policy.restore(saved)
 
-    def save(
+    def stage_checkpoint(self, run_dir: Path, step: int) -> None:
+        self.policy.stage_checkpoint(run_dir, step)
+
+    def publish_checkpoint(
         self, run_dir: Path, step: int, tokenizer: PreTrainedTokenizerBase | None, state: dict, keep_last: int
     ) -> None:
-        self.policy.save(run_dir, step, tokenizer, state, keep_last)
+        self.policy.publish_checkpoint(run_dir, step, tokenizer, state, keep_last)
 
 
 def _hand_back_cache(device: torch.device) -> None:

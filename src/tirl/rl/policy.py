@@ -25,6 +25,7 @@ from tirl.distributed.groups import (
     load_sharded,
     save_sharded,
     shard_model,
+    wait_for_rank_zero,
 )
 from tirl.rl.checkpoint import finish_checkpoint, set_rng_states, staging_dir, staging_path
 from tirl.rl.config import LoraConfig, OptimConfig
@@ -247,6 +248,9 @@ def build_sharded_model(model_path: str, optim: OptimConfig, info: DistInfo, bf1
     model.to_empty(device=info.device)
     _restore_computed_buffers(model, info.device)
     full = with_lora(_load_full_model(model_path), optim.lora, False).state_dict() if info.is_main else {}
+    # Rank 0's read takes as long as the storage does: the others wait at its gate, not in the broadcast
+    # (whose collective timeout would end the run at start on slow storage).
+    wait_for_rank_zero(info)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
     return model
@@ -361,8 +365,14 @@ class Policy:
 
     # ---- checkpoints ----
     def save(self, run_dir, step: int, tokenizer, trainer_state: dict, keep_last: int) -> None:
-        """Checkpoint (a collective): every rank writes its shards of the weights and optimizer, the
-        model is exported for Hugging Face a tensor at a time, rank 0 adds the small trainer state."""
+        """Checkpoint (a collective): `stage_checkpoint`, then `publish_checkpoint`."""
+        self.stage_checkpoint(run_dir, step)
+        self.publish_checkpoint(run_dir, step, tokenizer, trainer_state, keep_last)
+
+    def stage_checkpoint(self, run_dir, step: int) -> None:
+        """The device-side half (a collective, with the state where FSDP2 sharded it): every rank writes
+        its shards of the weights and optimizer into a staging directory, the model is exported for
+        Hugging Face a tensor at a time. Nothing is visible until `publish_checkpoint`."""
         if self.info.is_main:
             staging_dir(run_dir, step, "shards")  # one directory all ranks write into
         barrier(self.info)
@@ -372,9 +382,15 @@ class Policy:
             save_adapter(self.model, tmp / ADAPTER_DIR, self.model_path, self.info.is_main)
         else:
             export_hf_model(self.model, tmp / "model", self.info)
+        barrier(self.info)
+
+    def publish_checkpoint(self, run_dir, step: int, tokenizer, trainer_state: dict, keep_last: int) -> None:
+        """The host-side half: rank 0 adds the small trainer state (schedule, RNG) to the staged
+        checkpoint and moves it into place atomically; the other ranks wait for it."""
         if self.info.is_main:
             state = {**trainer_state, "scheduler": self.scheduler.state_dict()}
             model_dir = ADAPTER_DIR if self.lora else "model"
+            tmp = staging_path(run_dir, step, "shards")
             finish_checkpoint(run_dir, step, tmp, tokenizer, state, keep_last, model_dir=model_dir)
         barrier(self.info)
 

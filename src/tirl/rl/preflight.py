@@ -5,6 +5,8 @@ Each failure is a ConfigError with one line saying what to change; warnings are 
 
 from __future__ import annotations
 
+import os
+
 from tirl.agent.protocol import check_context
 from tirl.config import ConfigError
 from tirl.data import DataError, load_problems
@@ -19,7 +21,12 @@ from tirl.rl.lora import check_lora
 
 
 def preflight_train(cfg: TrainConfig, resume: bool = False) -> list[str]:
-    """Raise ConfigError for what would fail later in `cfg`'s run; return warnings to print."""
+    """Raise ConfigError for what would fail later in `cfg`'s run; return warnings to print. Under
+    torchrun only rank 0 reads (and, for a LoRA model or resume, merges) the model: every rank merging
+    its own fp32 copy at once was 8 x 59 GB per node at 14B; torchrun stops the others if it fails."""
+    if os.environ.get("RANK", "0") != "0":
+        _check_cluster(cfg)
+        return []
     model_path = _model_path(cfg, resume)
     check_lora(resolve_model_path(cfg.model) if resume else model_path, cfg.optim.lora)
     _check_cluster(cfg)

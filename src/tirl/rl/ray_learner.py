@@ -23,7 +23,6 @@ from tirl.distributed.weight_sync import SyncChannel, SyncGroup, SyncKind, send_
 from tirl.ports import free_port
 from tirl.rl.update import Shard, shard_update
 from tirl.runtime.base import Runtime
-from tirl.runtime.colocation import lends_devices
 from tirl.runtime.ray import RemoteEngine
 from tirl.runtime.ray_cluster import ClusterError, Placement, connect, node_ip, whereabouts
 
@@ -181,8 +180,11 @@ class RayLearner:
     def restore(self, saved: dict) -> None:
         self._all("restore", saved)
 
-    def save(self, run_dir: Path, step: int, tokenizer, state: dict, keep_last: int) -> None:
-        self._all("save", run_dir, step, tokenizer, state, keep_last)
+    def stage_checkpoint(self, run_dir: Path, step: int) -> None:
+        self._all("stage_checkpoint", run_dir, step)
+
+    def publish_checkpoint(self, run_dir: Path, step: int, tokenizer, state: dict, keep_last: int) -> None:
+        self._all("publish_checkpoint", run_dir, step, tokenizer, state, keep_last)
 
 
 def worker_shards(samples: list[TrainSample], alg: AlgorithmConfig, world: int) -> list[Shard]:
@@ -213,10 +215,6 @@ async def open_ray_learner(
         backend = "nccl" if cfg.cluster.trainer.num_gpus > 0 and not cfg.cluster.colocate else "gloo"
         sends = await workers[0].sends.remote()
         learner = RayLearner(workers, int(cfg.cluster.weight_sync_bucket_mb * 2**20), backend, sends)
-        if lends_devices(cfg.cluster, cfg.algorithm.async_):
-            # The engines start next on the same GPUs and size their KV cache by the free memory;
-            # the trainer's state comes back at the first update (rl_step).
-            await asyncio.to_thread(learner.offload)
         try:
             yield learner
         finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -62,7 +63,7 @@ from tirl.rl.policy import TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler
 from tirl.runtime import Runtime, open_cluster_placement, open_runtime
-from tirl.runtime.colocation import Colocation, lends_devices
+from tirl.runtime.colocation import Colocation, lends_devices, open_lending
 from tirl.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -158,11 +159,12 @@ class Run:
     alerts: AlertMonitor
     versions: WeightVersions | None = None  # the engines' policy version and sync gate (rank 0 only)
     reward_stats: dict = field(default_factory=dict)  # the reward pool's counters at the last step's end
-    lending: Colocation = field(init=False)  # engines and trainer taking turns on shared devices
+    lending: Colocation | None = None  # engines and trainer taking turns on shared devices
 
     def __post_init__(self) -> None:
-        shared = lends_devices(self.cfg.cluster, self.cfg.algorithm.async_)
-        self.lending = Colocation(self.runtime, self.learner, self.info, shared)
+        if self.lending is None:
+            shared = lends_devices(self.cfg.cluster, self.cfg.algorithm.async_)
+            self.lending = Colocation(self.runtime, self.learner, self.info, shared)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking learner call; in async mode off the event loop, so rollouts go on meanwhile."""
@@ -192,14 +194,16 @@ def load_stage_problems(stage: StageConfig) -> list:
     return problems
 
 
-async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
+async def rl_step(run: Run, producer: GroupProducer | None, save: bool = False) -> dict:
     """One GRPO-RoC step: prompts -> rollouts -> rewards -> RoC -> advantages -> update -> sync -> metrics.
 
     Steps 1-4 stream inside `producer` (tirl.rl.async_rollout): prompts are drawn and rolled out as
     there is room, each trajectory is scored as it ends and each group goes through RoC as its last
     member ends; with `algorithm.async` it keeps generating the next steps' groups during 6 and 7.
     Colocated, the engines lend their devices to the trainer for 6 and get them back around 7
-    (`run.lending`, tirl.runtime.colocation: the one safe order, with its barriers).
+    (`run.lending`, tirl.runtime.colocation: the one safe order, with its barriers). `save`: the step's
+    checkpoint is written right after its update, where the trainer's state is on its devices and
+    colocated engines are asleep anyway; it becomes visible after the step's metrics (`checkpoint`).
     """
     alg, step, lending = run.cfg.algorithm, run.state.step, run.lending
     timer = Timer()
@@ -223,6 +227,9 @@ async def rl_step(run: Run, producer: GroupProducer | None) -> dict:
     with timer("train"):
         metrics |= await run.blocking(run.learner.update, samples, alg)
     fault_point("update", step + 1)
+    if save:  # 6b. the checkpoint's device half: every rank's shards and the export, staged
+        with timer("checkpoint"):
+            await run.blocking(run.learner.stage_checkpoint, run.cfg.run_dir, step + 1)
     lending.to_sync()
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
     # 7. weight sync: the engines sample from the updated policy from the next turn on
@@ -286,8 +293,9 @@ def _overlap_metrics(run: Run, timer: Timer, wall_s: float, before: EngineActivi
 
 
 def checkpoint(run: Run, sampler: EpochSampler, producer: GroupProducer | None) -> None:
-    """Weights, optimizer, schedule, RNG, counters, and where the prompt stream stands: the sampler and
-    the draws admitted but not trained on yet (their trajectories are regenerated on resume)."""
+    """The checkpoint `rl_step(save=True)` staged (weights, optimizer) made visible with the schedule,
+    RNG, counters, and where the prompt stream stands: the sampler and the draws admitted but not
+    trained on yet (their trajectories are regenerated on resume). Host memory only: no device moves."""
     st = run.state
     trainer_state = {
         "step": st.step,
@@ -297,8 +305,16 @@ def checkpoint(run: Run, sampler: EpochSampler, producer: GroupProducer | None) 
         "producer": producer.state_dict() if producer is not None else None,
     }
     tokenizer = run.runtime.tokenizer if run.runtime else None
-    with run.lending.trainer_resident():  # FSDP2 gathers its shards where it sharded them
-        run.learner.save(run.cfg.run_dir, st.step, tokenizer, trainer_state, run.cfg.checkpoint.keep_last)
+    run.learner.publish_checkpoint(
+        run.cfg.run_dir, st.step, tokenizer, trainer_state, run.cfg.checkpoint.keep_last
+    )
+
+
+def discard_staged(run_dir: Path) -> None:
+    """Checkpoints a killed or stopped run staged (rl_step writes one right after its update) and never
+    made visible (after the step's metrics): the resumed run redoes that step."""
+    for staged in (Path(run_dir) / "checkpoints").glob(".tmp_step_*"):
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def run_training(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path:
@@ -325,15 +341,23 @@ async def train_on(runtime: Runtime, cfg: TrainConfig, progress: bool = True) ->
 
 
 def model_paths(cfg: TrainConfig, ckpt: Path | None, info: DistInfo) -> tuple[str, str]:
+    """The trainer's model and the engines' (`resolve_model_paths`), resolved by rank 0 alone: a LoRA
+    adapter is merged there (fp32 on the host: 59 GB at 14B) while the other ranks wait at its gate
+    (the rendezvous store, not a collective with its short timeout) and then take its answer."""
+    paths = resolve_model_paths(cfg, ckpt) if info.is_main else None
+    policy, engines = broadcast_object(paths, info)
+    return policy, engines
+
+
+def resolve_model_paths(cfg: TrainConfig, ckpt: Path | None) -> tuple[str, str]:
     """The trainer's model and the engines' (resumed: the checkpoint's). With LoRA the trainer always
     starts from the frozen base (a resumed run's adapter comes from its shards) and only the engines
-    serve the checkpoint's merged model: merged (fp32 on the host: 59 GB at 14B) only in the process
-    that opens them (rank 0), not on every rank's host."""
+    serve the checkpoint's merged model."""
     base = resolve_model_path(cfg.model)
     if ckpt is None:
         return base, base
     if cfg.optim.lora.enabled:
-        return base, (str(checkpoint_model_dir(ckpt)) if info.is_main else base)
+        return base, str(checkpoint_model_dir(ckpt))
     resumed = str(checkpoint_model_dir(ckpt))
     return resumed, resumed
 
@@ -345,6 +369,8 @@ async def _train(
 
     console = Console(stderr=True, quiet=not (progress and info.is_main))
     ckpt = prepare_run_dir(cfg.run_dir, cfg, resume, info.is_main, console.print)
+    if info.is_main:
+        discard_staged(cfg.run_dir)
     saved = load_trainer_state(ckpt) if ckpt else None
     state = (
         TrainerState(**{k: saved[k] for k in ("step", "stage", "stage_step")}) if saved else TrainerState()
@@ -363,23 +389,31 @@ async def _train(
         logger.truncate_after(state.step)
         trajectory_sample.truncate_after(cfg.run_dir, state.step)
     try:
+        shared = lends_devices(cfg.cluster, cfg.algorithm.async_)
         with open_cluster_placement(cfg.cluster, cfg.engine.num_engines) as placement:
-            async with (
-                open_learner(cfg, policy_path, info, cfg.stages[state.stage].steps, placement) as learner,
-                open_main_runtime(cfg, model_path, info, placement, runtime) as runtime,
-            ):
-                run = Run(cfg, info, learner, runtime, state, logger, _alert_monitor(cfg))
-                _announce_correction(cfg, console)
-                if runtime is not None:
-                    run.versions = WeightVersions(state.step)
-                    run.reward_stats = runtime.scorer.stats.as_dict()
-                for stage_index in range(state.stage, len(cfg.stages)):
-                    await _run_stage(run, stage_index, saved if stage_index == state.stage else None, console)
-                    saved = None
+            async with open_learner(
+                cfg, policy_path, info, cfg.stages[state.stage].steps, placement
+            ) as learner:
+                engines = lambda: open_main_runtime(cfg, model_path, info, placement, runtime)  # noqa: E731
+                async with open_lending(learner, info, shared, engines) as lending:
+                    alerts = _alert_monitor(cfg)
+                    run = Run(cfg, info, learner, lending.engines, state, logger, alerts, lending=lending)
+                    await _run_stages(run, saved, console)
     finally:
         if logger:
             logger.close()
     return cfg.run_dir
+
+
+async def _run_stages(run: Run, saved: dict | None, console) -> None:
+    cfg, state, runtime = run.cfg, run.state, run.runtime
+    _announce_correction(cfg, console)
+    if runtime is not None:
+        run.versions = WeightVersions(state.step)
+        run.reward_stats = runtime.scorer.stats.as_dict()
+    for stage_index in range(state.stage, len(cfg.stages)):
+        await _run_stage(run, stage_index, saved if stage_index == state.stage else None, console)
+        saved = None
 
 
 def snapshot_reference(run: Run) -> None:
@@ -405,7 +439,8 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
         snapshot_reference(run)
     if saved is not None:  # resuming inside this stage: restore exactly where it stopped
         sampler.load_state_dict(saved["sampler"])
-        learner.restore(saved)
+        with run.lending.trainer_resident():  # read into the shards where FSDP2 placed them
+            learner.restore(saved)
     else:
         st.stage, st.stage_step = stage_index, 0
     console.print(
@@ -415,7 +450,8 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
     try:
         while st.stage_step < stage.steps:
             start = time.perf_counter()
-            metrics = await rl_step(run, producer)
+            due = (st.step + 1) % cfg.checkpoint.every == 0 or st.stage_step + 1 == stage.steps
+            metrics = await rl_step(run, producer, save=due)
             st.step, st.stage_step = st.step + 1, st.stage_step + 1
             metrics["time/step_s"] = time.perf_counter() - start
             stop = None
@@ -426,7 +462,7 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
                 raise TrainingStopped(stop)
             # Metrics first, then the checkpoint: a kill in between only makes the resumed run redo
             # (and re-log) this step; the reverse order could lose its metrics line.
-            if st.step % cfg.checkpoint.every == 0 or st.stage_step == stage.steps:
+            if due:
                 checkpoint(run, sampler, producer)
     finally:
         if producer is not None:
