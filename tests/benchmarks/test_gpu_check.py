@@ -56,6 +56,7 @@ def test_colocated_checkpoint_export_and_resume_are_exact(report):
     n = report["parts"]["colocated"]["numbers"]
     for kind in ("full", "lora"):
         assert n[f"{kind}_resume_exact"] is True and n[f"{kind}_resume_max_diff"] == 0.0
+        assert n[f"{kind}_resume_rel_step"] == 0.0
         assert n[f"{kind}_export_matches"] <= 1e-6
         assert n[f"{kind}_offloaded"] is False  # nothing to offload on CPU
     assert any("no collectives" in x for x in report["parts"]["colocated"]["notes"])
@@ -67,6 +68,9 @@ def test_speed_reports_the_update_the_head_and_the_handoff(report):
     for tokens in gpu_check.Sizes.for_device("cpu").head_tokens:
         assert n[f"head_{tokens}_chunked_s"] > 0 and n[f"head_{tokens}_unchunked_s"] > 0
     assert n["handoff_bytes"] > 0 and n["handoff_gb_s"] > 0 and n["copy_gb_s"] > 0
+    # the flat-buffer path the trainer runs (on CPU its buffer is the shared host file; on a GPU it
+    # stays in device memory and handoff_host_bytes is 0)
+    assert n["handoff_buffers"] == 1 and n["handoff_host_bytes"] == n["handoff_bytes"]
 
 
 def test_e2e_trains_with_the_real_sandbox_and_an_engine_gap_near_zero(report):
@@ -112,3 +116,47 @@ def test_the_cuda_only_tests_are_found_by_their_skip_mark():
     tests = gpu_check.cuda_only_tests()
     assert "tests/engines/test_hf.py::test_sleep_on_a_gpu_frees_the_weights_and_wakes_up_the_same" in tests
     assert all("::test" in t for t in tests)
+
+
+# ---- the check's own risks (issue 68): a rare GPU run must not be wasted ----
+
+
+def test_the_parts_run_by_value_the_end_to_end_one_first():
+    """e2e, the only end-to-end evidence, ran last and was the part a short budget cut."""
+    assert gpu_check.PARTS == ("e2e", "memory", "colocated", "speed")
+
+
+def test_each_part_is_written_the_moment_it_ends(tmp_path):
+    """A run killed after some parts (the device tool's time limit) still returns those parts."""
+    header = {"device": "cpu", "date": "2026-12-07", "commit": "abc"}
+    report = gpu_check.Report(str(tmp_path), header)
+
+    def lines() -> list[dict]:
+        return [json.loads(x) for x in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+
+    assert lines() == [{"gpu_check": header}]
+    report.add(gpu_check.Result("e2e", "PASS", {"steps": 3}, seconds=1.0))
+    assert [r.get("part") for r in lines()] == [None, "e2e"]
+    assert "| e2e | PASS |" in (tmp_path / "gpu_check.md").read_text()
+    report.add(gpu_check.Result("memory", "SKIP", notes=["budget: 0 s left"]))
+    assert [r.get("part") for r in lines()] == [None, "e2e", "memory"]
+
+
+def test_a_part_the_budget_stops_is_skip_not_fail(tmp_path):
+    """e2e with 5 s left: its `tirl train` is stopped by the budget, which says nothing about tirl."""
+    import time
+
+    import torch
+
+    env = dict(os.environ) | {"PYTHONPATH": str(Path(gpu_check.ROOT) / "src")}
+    ctx = gpu_check.Ctx(
+        torch.device("cpu"), gpu_check.Sizes.for_device("cpu"), tmp_path, time.monotonic() + 5, env=env
+    )
+    result = gpu_check.run_part("e2e", ctx)
+    assert result.verdict == "SKIP", result
+    assert any("budget" in note for note in result.notes)
+
+
+def test_the_commit_comes_from_the_caller_where_the_tree_has_no_git(tmp_path):
+    assert gpu_check.commit("abc1234", root=tmp_path) == "abc1234"
+    assert gpu_check.commit(None, root=tmp_path) == "unknown"
