@@ -56,12 +56,14 @@ def test_eval_refuses_a_model_agent_file_naming_a_module_without_importing_it(ho
     assert f"names tools that are not built in: '{MODULE}:Tool'" in result.output, result.output
 
 
-def test_built_in_tools_load_and_a_foreign_one_is_refused_by_the_settings_check(hostile_model):
+def test_built_in_tools_load_and_a_foreign_one_is_refused_or_only_warned_about(hostile_model):
     model, marker = hostile_model
     (model / AGENT_FILE).write_text(yaml.safe_dump({"tools": ["execute_python_code_with_standard_io"]}))
     agent, _ = saved_agent_settings(model)
     assert agent.tools == ["execute_python_code_with_standard_io"]
     (model / AGENT_FILE).write_text(yaml.safe_dump({"tools": [f"{MODULE}:Tool"]}))
     with pytest.raises(ConfigError, match="may name built-in tools only"):
-        agent_settings_warning(model, AgentConfig())
-    assert not marker.exists()
+        saved_agent_settings(model)
+    warning = agent_settings_warning(model, AgentConfig())  # train's preflight: a warning, not an import
+    assert warning is not None and "was not loaded" in warning and f"{MODULE}:Tool" in warning
+    assert not marker.exists() and MODULE not in sys.modules

@@ -143,6 +143,10 @@ def _copy_agent_settings(run_config: Path, dest: Path) -> None:
         )
 
 
+class ForeignToolsError(ConfigError):
+    """A model's agent file names tools that are not built in (and the user's settings do not)."""
+
+
 def saved_agent_settings(
     model_path: str | Path, trusted_tools: Collection[str] = ()
 ) -> tuple[AgentConfig, Path] | None:
@@ -161,7 +165,7 @@ def saved_agent_settings(
             t for t in tools if not (isinstance(t, str) and t in BUILTIN_TOOLS) and t not in trusted_tools
         ]
         if foreign:
-            raise ConfigError(
+            raise ForeignToolsError(
                 f"{path} names tools that are not built in: {', '.join(map(repr, foreign))}. An agent file "
                 "saved with a model may name built-in tools only (loading one would import its module); if "
                 "you trust it, name the tools in your own agent settings (--agent FILE or agent.tools)"
@@ -180,7 +184,10 @@ PROMPT_FIELDS = (
 def agent_settings_warning(model_path: str | Path, agent: AgentConfig) -> str | None:
     """A warning when `agent` changes what a tirl-trained model saw in training (its prompt, its tools):
     a model follows the protocol it learned, so e.g. a tool it never saw raises its tool-error rate."""
-    saved = saved_agent_settings(model_path, trusted_tools=agent.tools)
+    try:
+        saved = saved_agent_settings(model_path, trusted_tools=agent.tools)
+    except ForeignToolsError as e:  # the model was trained with tools these settings do not give it
+        return f"warning: the agent file saved with the model was not loaded: {e}"
     if saved is None:
         return None
     trained, path = saved
