@@ -269,13 +269,11 @@ class Session:
 
     def memory_in_use_mb(self) -> int:
         """What the session uses now, in MiB rounded up (at least 1, at most its limit): its cgroup's
-        memory (every process of it, page cache and tmpfs files included); without one (not root), its
-        interpreter's resident memory."""
-        used = self.cgroup.memory_bytes()
+        memory (every process of it, page cache and tmpfs files included). Without a memory cgroup and
+        a freezer (not root), its limit: nothing would stop it growing between cells unseen."""
+        used = self.cgroup.memory_bytes() if self.cgroup.freezer_dir else None
         if used is None:
-            used = _resident_bytes(self.child.pid)
-        if used is None:
-            return self.limits.memory_mb  # unknown: it holds what it may use
+            return self.limits.memory_mb
         return max(1, min(self.limits.memory_mb, -(-used // MiB)))
 
     def _pause(self) -> None:
@@ -323,18 +321,6 @@ class Session:
             if not any(os.path.isdir(d) for d in self.cgroup.dirs()):
                 break
             await asyncio.sleep(0.01)
-
-
-def _resident_bytes(pid: int) -> int | None:
-    """VmRSS of a process (None if it is gone or unreadable)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _settle(future: asyncio.Future, value: str) -> None:
