@@ -1,19 +1,33 @@
 """Asynchronous GRPO-RoC end to end (tiny model on the HF engine, real sandbox and math-verify): with
 max_staleness=0 it is the synchronous trainer bit for bit; a killed async run resumes from its
-checkpoint (in-flight groups regenerated from the saved draws): exactly with k = 0, and with k = 1
-training first the very draws that were in flight, none lost or repeated."""
+checkpoint (in-flight groups regenerated from the saved draws): exactly with k = 0, with k = 1
+training first the very draws that were in flight, none lost or repeated, and, killed after a stale
+group was dropped and its prompt re-queued, training every prompt as often as the uninterrupted run."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from tests.rl.test_trainer import _comparable, _write_config, train_in_subprocess
+from tests.terminal import tirl_env
+from tests.tied import tied
 
 from tirl.config import load_config
 from tirl.rl.checkpoint import latest_checkpoint, load_trainer_state
 from tirl.rl.config import TrainConfig
 from tirl.rl.metrics import read_metrics
+from tirl.rl.sampler import EpochSampler
+from tirl.rl.trainer import FAULT_ENV
+from tirl.seeds import derive_seed
 
 K0 = ["algorithm.async=true", "algorithm.max_staleness=0"]
 K1 = ["algorithm.async=true", "algorithm.max_staleness=1"]
@@ -128,3 +142,63 @@ def test_exact_staleness_replays_the_runs_pattern(config):
     assert [{k: r[k] for k in exact} for r in runs[0]] == [{k: r[k] for k in exact} for r in runs[1]]
     for a, b in zip(*runs, strict=True):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
+
+
+HELD_TRAIN = Path(__file__).with_name("held_train.py")
+
+
+def _train_held(config, name: str, resume: bool = False, fault: str | None = None) -> Path:
+    """`tirl train` with k = 1 in a fresh process, stage 1's draw 0 held until it is stale and dropped
+    (held_train.py); with `fault` ("PHASE:STEP") SIGKILLed there."""
+    env = tirl_env() | ({FAULT_ENV: fault} if fault else {})
+    args = ["train", "--config", str(config), "--quiet", f"run_name={name}", *K1]
+    cmd = [sys.executable, str(HELD_TRAIN), "0", *args, *(["--resume"] if resume else [])]
+    proc = subprocess.Popen(tied(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=1200)  # a hang guard only: the kill point is the hook
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the sandbox and reward workers it left behind
+    want = -signal.SIGKILL if fault else 0
+    assert proc.returncode == want, (fault, proc.returncode, err.decode()[-3000:])
+    return config.parent / "runs" / name
+
+
+def _first_draws(config, steps: tuple[int, ...]) -> Counter:
+    """What each stage trains whatever the timing: its first steps x P draws of its sampler (a dropped
+    group's prompt is retried, never replaced by a new draw), per stage."""
+    cfg, problems = load_config(TrainConfig, config, []), _problems(config)
+    want: Counter = Counter()
+    for stage, n in enumerate(steps):
+        sampler = EpochSampler(len(problems), derive_seed(cfg.seed, stage))
+        want.update((stage, problems[i].id) for i in sampler.next(n * cfg.algorithm.prompts_per_step))
+    return want
+
+
+def _trained(rows: list[dict]) -> Counter:
+    """How often each prompt was trained on, per stage."""
+    return Counter((r["stage"], problem) for r in rows for problem in r["batch"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)  # three runs of the trainer on a loaded 2-core machine
+def test_a_run_killed_after_a_stale_drop_trains_every_prompt_as_often_as_uninterrupted(
+    tiny_model_dir, tmp_path
+):
+    """TRL#7274's case: a group dropped as stale must not pin the resume point (replaying the prompts
+    drawn after it) nor be lost. With k = 1, stage 1's draw 0 is dropped at the end of step 2 and its
+    prompt re-queued; a run SIGKILLed in step 3 resumes from step 2's checkpoint, which holds the
+    re-queued draw, and trains each prompt exactly as often as the uninterrupted run: both train each
+    stage's first steps x P draws (only their order depends on which groups finish first). Planted:
+    a resume that loses the re-queued draw trains one prompt once too few and another once too often."""
+    config = _write_config(tmp_path, tiny_model_dir, steps=(4, 1))
+    ref = read_metrics(_train_held(config, "ref"))
+    assert [r["step"] for r in ref] == [1, 2, 3, 4, 5]
+    assert ref[2]["async/dropped_stale"] >= 1 and sum(r["async/retries_trained"] for r in ref) >= 1
+    killed = _train_held(config, "killed", fault="update:3")
+    saved = load_trainer_state(latest_checkpoint(killed))
+    assert saved["step"] == 2
+    assert [d for d in saved["producer"]["pending"] if d[2]], saved["producer"]  # the re-queued draw
+    resumed = read_metrics(_train_held(config, "killed", resume=True))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert _trained(resumed) == _trained(ref) == _first_draws(config, (4, 1))
