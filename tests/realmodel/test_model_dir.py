@@ -83,3 +83,31 @@ def test_the_command_line_names_the_bad_source(tmp_path: Path):
     words = " ".join(result.output.replace("│", " ").split())  # rich wraps the message in a box
     assert result.exit_code != 0 and "no such file" in words
     assert not (tmp_path / "o").exists()
+
+
+def test_demo_real_refuses_what_is_not_a_model_directory_and_drills_on_a_pretrained_model(
+    tmp_path: Path, smollm2_dir: Path
+):
+    from tirl.config import ConfigError
+    from tirl.demo import real_overrides
+    from tirl.demo.pipeline import load_settings
+
+    with pytest.raises(ConfigError, match="not a model directory"):
+        real_overrides(tmp_path)
+    settings = load_settings(overrides=real_overrides(smollm2_dir))
+    assert settings.demo.model == str(smollm2_dir.resolve()) and settings.demo.drill_steps == 0
+    with pytest.raises(ConfigError, match="copies already"):
+        load_settings(overrides=[*real_overrides(smollm2_dir), "demo.drill_steps=10"])
+
+
+def test_gsm8k_intervals_are_wilson_intervals():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "real_model_gsm8k.py"
+    spec = importlib.util.spec_from_file_location("real_model_gsm8k", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    low, high = bench.wilson(0, 200)
+    assert low == 0.0 and 0.018 < high < 0.019  # 0 of 200 still allows ~1.9%
+    low, high = bench.wilson(100, 200)
+    assert abs(low - 0.4314) < 1e-3 and abs(high - 0.5686) < 1e-3
