@@ -389,8 +389,9 @@ def export_command(
 def convert_checkpoint_command(
     path: str = typer.Argument(..., help="A tirl run directory (all its checkpoints) or one checkpoint."),
 ) -> None:
-    """Rewrite checkpoints an older tirl wrote so that they load without unpickling code. It trusts
-    the files (unpickling runs what they name): convert only checkpoints you or tirl wrote."""
+    """Rewrite checkpoints an older tirl wrote so that they load without unpickling code. It reads them
+    with a restricted unpickler (tensors and numpy arrays only): a file that names anything else is
+    refused and nothing in it runs."""
     from tirl.config import ConfigError
     from tirl.rl.checkpoint_convert import convert_checkpoints
 
