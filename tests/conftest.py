@@ -70,11 +70,12 @@ def qwen3():
 # `make test` runs the suite on two pytest-xdist workers. A group below runs on one worker, in order:
 # a directory whose tests share a session fixture (built once, not once per worker), and the Ray files
 # (one simulated cluster at a time; their tests count the cluster's processes).
-SHARED_DIRS = ("tests/agent/", "tests/demo/", "tests/sandbox/", "tests/view/")
+SHARED_DIRS = ("tests/agent/", "tests/demo/", "tests/realmodel/", "tests/sandbox/", "tests/view/")
 RAY_FILES = "tests/runtime/test_ray"
 # The longest groups start first, so neither worker is left with a long one at the end (from the
 # serial suite's --durations; docs/development.md lists the slowest tests).
 LONGEST_FIRST = (
+    "tests/realmodel/",
     "tests/test_readme.py",
     "ray",
     "tests/demo/",
