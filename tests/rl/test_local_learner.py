@@ -20,6 +20,8 @@ from tirl.rl.checkpoint import load_trainer_state
 from tirl.rl.config import AlgorithmConfig, OptimConfig
 from tirl.rl.local_learner import LocalLearner
 from tirl.rl.policy import Policy, TrainSample
+from tirl.runtime import handoff
+from tirl.runtime.handoff import InProcess
 
 META = torch.device("meta")
 
@@ -144,20 +146,12 @@ def test_optimizer_state_moves_but_adams_steps_stay_where_torch_keeps_them():
         assert state[p]["exp_avg"].device == META and state[p]["step"].device == META
 
 
-def test_a_sync_over_a_transport_other_than_load_is_refused_by_name(tiny_model_dir):
-    learner = _learner(tiny_model_dir)
-    with pytest.raises(ValueError, match="in-process engines, not over 'ray'"):
-        learner.sync_weights(SimpleNamespace(transport="ray"))
-
-
 def test_engines_in_this_process_get_every_tensor_for_the_policys_device(tiny_model_dir):
     learner = _learner(tiny_model_dir)
     learner.policy.device = META  # the GPU rank 0's engines pack their buffer on
     calls = []
-    runtime = SimpleNamespace(
-        transport="load", load_sources=lambda s, d: calls.append((s, d)) or {"sync/tensors": 1}
-    )
-    assert learner.sync_weights(runtime) == {"sync/tensors": 1}
+    runtime = SimpleNamespace(load_sources=lambda s, d: calls.append((s, d)) or {"sync/tensors": 1})
+    assert InProcess(runtime, learner, learner.info).send() == {"sync/tensors": 1}
     [(sources, device)] = calls
     assert device == META and list(sources) == [n for n, _ in learner.policy.model.named_parameters()]
 
@@ -168,8 +162,8 @@ def test_a_rank_without_engines_gathers_every_tensor_in_the_order_rank_0_sends_t
     learner = _learner(tiny_model_dir)
     sources = learner.sync_tensors()
     gathered = []
-    monkeypatch.setattr(local_learner, "gathered", gathered.append)  # the collective each rank joins
-    assert learner.sync_weights(None) == {"sync/tensors": 0.0, "sync/bytes": 0.0}
+    monkeypatch.setattr(handoff, "gathered", gathered.append)  # the collective each rank joins
+    assert InProcess(None, learner, learner.info).send() == {"sync/tensors": 0.0, "sync/bytes": 0.0}
     assert [id(t) for t in gathered] == [id(t) for t in sources.values()]
     assert list(sources) == [n for n, _ in learner.policy.model.named_parameters()]
 

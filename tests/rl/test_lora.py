@@ -520,6 +520,7 @@ async def _engine_vs_trainer(engine, model_dir) -> tuple[float, float]:
     from tirl.rl.local_learner import LocalLearner
     from tirl.rl.policy import Policy, TrainSample
     from tirl.runtime.base import Runtime
+    from tirl.runtime.handoff import InProcess
 
     # q, v and gate only: vLLM fuses them with k and up, which must travel too (their base weights)
     policy = _policy(model_dir, target_modules=["q_proj", "v_proj", "gate_proj", "o_proj"])
@@ -527,7 +528,7 @@ async def _engine_vs_trainer(engine, model_dir) -> tuple[float, float]:
     runtime = Runtime([engine], SingleEnginePool(engine), executor=None, scorer=None, tokenizer=None)
     for seed in range(2):
         learner.update(_fixed(policy.model.config.vocab_size, n=8, seed=seed), AlgorithmConfig())
-    stats = learner.sync_weights(runtime)
+    stats = InProcess(runtime, learner, policy.info).send()
     assert stats["sync/tensors"] == 4 * 6  # q k v o gate up per layer, 4 layers; no embeddings, norms, down
     gen = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=24, seed=3))
     sample = TrainSample(PROMPT + gen.token_ids, [0] * (len(PROMPT) - 1) + [1] * len(gen.token_ids))

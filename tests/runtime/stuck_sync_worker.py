@@ -22,6 +22,7 @@ def main(model_dir: str, out: str) -> None:
     from tirl.rl.config import OptimConfig
     from tirl.rl.local_learner import LocalLearner
     from tirl.rl.policy import Policy
+    from tirl.runtime.handoff import InProcess
 
     info = init_distributed("cpu")
     learner = LocalLearner(Policy(model_dir, OptimConfig(device="cpu"), info, total_steps=1))
@@ -32,7 +33,7 @@ def main(model_dir: str, out: str) -> None:
     if info.is_main:
         start = time.monotonic()
         try:
-            learner.sync_weights(None)
+            InProcess(None, learner, info).send()  # rank 0 without engines: its gathers alone
             result["error"] = None
         except Exception as e:
             result["error"] = f"{type(e).__name__}: {e}"

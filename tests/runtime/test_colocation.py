@@ -8,6 +8,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import torch
+
 from tirl.engines.base import KVCapacity, SingleEnginePool, StagedWake
 from tirl.rl.trainer import Run, TrainerState, rl_step
 from tirl.runtime.base import Runtime
@@ -85,9 +87,11 @@ class FakeLearner:
         self.log.timed("update")
         return {"train/trained_tokens": 1}
 
-    def sync_weights(self, runtime) -> dict:
+    device = torch.device("cpu")
+
+    def sync_tensors(self) -> dict:
         self.log.timed("sync")
-        return {}
+        return {"w": torch.zeros(1)}
 
 
 def _runtime(log: Log, n: int) -> Runtime:
@@ -134,6 +138,7 @@ async def test_rl_step_hands_memory_over_in_order():
         "trainer_offload_optimizer",
         "engine_wake_weights",
         "sync",
+        "engine_load",
         "trainer_offload_params",
         "engine_wake_kv",
     ]
@@ -159,7 +164,7 @@ async def test_engines_that_free_nothing_lend_nothing():
     run = Run(cfg, info, FakeLearner(log), runtime, TrainerState(), logger=None, alerts=None)
     metrics = await rl_step(run, producer=None)
     assert metrics["colocate/engines_asleep"] == 0
-    assert log.order() == ["engine_sleep", "update", "sync"]
+    assert log.order() == ["engine_sleep", "update", "sync", "engine_load"]
 
 
 async def test_the_trainer_lets_go_before_the_runtime_opens_its_engines():
@@ -168,7 +173,7 @@ async def test_the_trainer_lets_go_before_the_runtime_opens_its_engines():
     sized their KV cache without its memory). The state comes back at the first update."""
     from contextlib import asynccontextmanager
 
-    from tirl.runtime.colocation import open_lending
+    from tirl.runtime.handoff import open_handoff
 
     log = Log()
 
@@ -178,7 +183,7 @@ async def test_the_trainer_lets_go_before_the_runtime_opens_its_engines():
         yield _runtime(log, 1)
 
     info = SimpleNamespace(is_main=True, enabled=False)
-    async with open_lending(FakeLearner(log), info, True, open_engines) as lending:
-        assert lending.engines is not None
-        lending.to_trainer()
+    async with open_handoff(FakeLearner(log), info, ClusterConfig(), False, open_engines) as handoff:
+        assert handoff.engines is not None
+        handoff.to_trainer()
     assert log.order() == ["trainer_offload_all", "runtime_open", "engine_sleep", "trainer_onload"]

@@ -20,6 +20,7 @@ from tirl.rl.config import OptimConfig
 from tirl.rl.local_learner import LocalLearner
 from tirl.rl.policy import Policy
 from tirl.runtime.base import Runtime
+from tirl.runtime.handoff import InProcess
 
 
 class PackedEngine:
@@ -56,11 +57,16 @@ def _runtime(engines: list) -> Runtime:
     return Runtime(engines, SingleEnginePool(engines[0]), executor=None, scorer=None, tokenizer=None)
 
 
+def _sync(learner: LocalLearner, engines: list) -> dict[str, float]:
+    """One sync as rank 0 of the local runtime runs it (tirl.runtime.handoff.InProcess)."""
+    return InProcess(_runtime(engines), learner, learner.info).send()
+
+
 def test_a_sync_is_packed_once_in_the_engines_dtype_for_every_engine(learner, tmp_path, monkeypatch):
     monkeypatch.setenv("TIRL_WEIGHTS_DIR", str(tmp_path))
     engines = [PackedEngine("cpu"), PackedEngine("cuda:1"), PackedEngine("cuda:2")]  # one beside the trainer
     assert all(isinstance(e, FlatLoader) for e in engines)
-    stats = learner.sync_weights(_runtime(engines))
+    stats = _sync(learner, engines)
     params = dict(learner.policy.model.named_parameters())
     bf16_bytes = sum(p.numel() * 2 for p in params.values())
     # one buffer, 2 bytes a parameter (no fp32 copy, no copy per engine), opened by every engine
@@ -78,7 +84,7 @@ def test_a_sync_is_packed_once_in_the_engines_dtype_for_every_engine(learner, tm
 
 def test_engines_of_different_dtypes_get_pairs(learner):
     engines = [PackedEngine("cpu"), PackedEngine("cuda:1", torch.float16)]
-    stats = learner.sync_weights(_runtime(engines))
+    stats = _sync(learner, engines)
     assert stats["sync/buffers"] == 0 and all(len(e.loaded) == 1 and not e.handoffs for e in engines)
 
 
@@ -92,7 +98,7 @@ def test_a_transfer_directory_without_room_is_the_clear_error_before_anything_is
     with pytest.raises(
         OSError, match=r"needs 0\.00 GiB in .* only 0\.00 GiB are free.*--shm-size.*TIRL_WEIGHTS_DIR"
     ):
-        learner.sync_weights(_runtime([engine]))
+        _sync(learner, [engine])
     assert not engine.handoffs and not os.listdir(tmp_path)
 
 
@@ -107,7 +113,7 @@ def test_room_taken_after_the_check_is_the_same_error_not_a_sigbus(learner, tmp_
     monkeypatch.setattr(handoff_module.os, "posix_fallocate", full)
     engine = PackedEngine("cpu")
     with pytest.raises(OSError, match=r"weight sync needs .* GiB in .*TIRL_WEIGHTS_DIR"):
-        learner.sync_weights(_runtime([engine]))
+        _sync(learner, [engine])
     assert not engine.handoffs and not os.listdir(tmp_path)
 
 

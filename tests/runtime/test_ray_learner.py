@@ -1,5 +1,6 @@
 """`RayLearner` (tirl.rl.ray_learner), the driver's side: what each trainer worker is sent, and the
-persistent weight-sync group it keeps with the engines. The workers and engines here are actors that
+persistent weight-sync group the runtime's transport (tirl.runtime.handoff.RayGroup) keeps between
+the learner's workers and the engines. The workers and engines here are actors that
 keep what they were called with (their own side, the real TrainerWorker and vLLM engines, runs in
 tests/runtime/test_ray.py's clusters, minutes a test): what crosses from the driver is the point.
 
@@ -24,7 +25,8 @@ from tirl.rl.update import Shard, shard_samples
 ray = pytest.importorskip("ray")
 
 from tirl.rl.ray_learner import RayLearner  # noqa: E402
-from tirl.runtime.ray_cluster import ClusterError  # noqa: E402
+from tirl.runtime.config import ClusterConfig  # noqa: E402
+from tirl.runtime.handoff import InProcess, RayGroup, pick_transport  # noqa: E402
 
 
 class Member:
@@ -110,7 +112,7 @@ def test_each_ray_worker_receives_only_its_own_shard(pool):
     world, alg = 3, AlgorithmConfig(mini_batches=2)
     samples = fixed_samples(vocab=50, n=11, seed=4)
     workers = _take(pool, [{"train/loss": float(rank)} for rank in range(world)])
-    learner = RayLearner(workers, bucket_bytes=2**20, backend="gloo", sends="full")
+    learner = RayLearner(workers, sends="full")
     assert learner.update(samples, alg) == {"train/loss": 0.0}  # rank 0's (all-reduced: all say the same)
     seen: list[list[int]] = []
     for rank, worker in enumerate(workers):
@@ -134,40 +136,40 @@ def test_the_sync_group_is_formed_once_and_again_only_when_its_engines_change(po
     *workers, a_actor, b_actor = _take(
         pool, [stats, {"sync/tensors": -1.0}, None, None]
     )  # rank 1's: not the step's
-    learner = RayLearner(workers, bucket_bytes=2**20, backend="nccl", sends="full")
     a, b = (
         _engine(a_actor, "a", ranks=2),
         _engine(b_actor, "b"),
     )  # a: tensor parallel 2, two members of the group
     runtime = SimpleNamespace(fleet=Fleet([a, b]))
+    group = RayGroup(runtime.fleet, workers, bucket_bytes=2**20, backend="nccl")
 
-    first = learner.sync_weights(runtime)
+    first = group.send()
     assert first == stats | {"sync/engines": 2.0, "sync/group_formed": 1.0}
-    group = ("join", "10.0.0.0", 29555, 4, "nccl")  # rank 0 + a's 2 + b's 1, where rank 0 listens
-    assert _calls(workers[0]) == [(*group, 0), ("send", 2**20, "torch.bfloat16")]
+    joined = ("join", "10.0.0.0", 29555, 4, "nccl")  # rank 0 + a's 2 + b's 1, where rank 0 listens
+    assert _calls(workers[0]) == [(*joined, 0), ("send", 2**20, "torch.bfloat16")]
     assert _calls(workers[1]) == [("send", 2**20, "torch.bfloat16")]  # its gathers, no group of its own
-    assert _calls(a.actor) == [(*group, 1), ("receive",)] and _calls(b.actor) == [(*group, 3), ("receive",)]
+    assert _calls(a.actor) == [(*joined, 1), ("receive",)] and _calls(b.actor) == [(*joined, 3), ("receive",)]
     assert runtime.fleet.synced_with == [["a", "b"]]
 
-    assert learner.sync_weights(runtime)["sync/group_formed"] == 0.0  # the same engines: the same group
+    assert group.send()["sync/group_formed"] == 0.0  # the same engines: the same group
     assert _calls(b.actor)[2:] == [("receive",)]
 
     b.revived = True  # a new process: it knows no group, so it is formed again
-    assert learner.sync_weights(runtime)["sync/group_formed"] == 1.0
-    assert _calls(workers[0])[3:] == [("leave",), (*group, 0), ("send", 2**20, "torch.bfloat16")]
+    assert group.send()["sync/group_formed"] == 1.0
+    assert _calls(workers[0])[3:] == [("leave",), (*joined, 0), ("send", 2**20, "torch.bfloat16")]
     assert [c[0] for c in _calls(a.actor)[3:]] == ["leave", "join", "receive"]
     assert runtime.fleet.synced_with[-1] == ["a", "b"] and not b.revived
 
     b.up = False  # b died: the others leave the old group, b took its end along; a forms one alone
     runtime.fleet.members = [a]
-    assert learner.sync_weights(runtime) == stats | {"sync/engines": 1.0, "sync/group_formed": 1.0}
+    assert group.send() == stats | {"sync/engines": 1.0, "sync/group_formed": 1.0}
     assert _calls(workers[0])[-2][:4] == ("join", "10.0.0.0", 29555, 3)  # rank 0 + a's 2
     assert [c[0] for c in _calls(b.actor)] == ["join", "receive", "receive", "leave", "join", "receive"]
 
-    learner.close()
+    group.close()
     assert _calls(workers[0])[-1] == ("leave",) and _calls(a.actor)[-1] == ("receive",)
     ray.get(workers[0].reset.remote(stats))
-    learner.sync_weights(runtime)  # after the close a sync forms a group, with nothing left to shut
+    group.send()  # after the close a sync forms a group, with nothing left to shut
     assert [c[0] for c in _calls(workers[0])] == ["join", "send"]
 
 
@@ -176,17 +178,17 @@ def test_a_member_that_cannot_join_fails_the_sync_and_the_next_one_forms_the_gro
     stats = {"sync/tensors": 1.0}
     worker, engine_actor = _take(pool, [stats, None])
     refusing, reply = (worker, stats) if who == "trainer rank 0" else (engine_actor, None)
-    learner = RayLearner([worker], bucket_bytes=2**20, backend="gloo", sends="full")
     a = _engine(engine_actor, "a")
     runtime = SimpleNamespace(fleet=Fleet([a]))
-    learner.sync_weights(runtime)
+    group = RayGroup(runtime.fleet, [worker], bucket_bytes=2**20, backend="gloo")
+    group.send()
     a.revived = True  # the group is formed again...
     ray.get(refusing.reset.remote(reply, ("join",)))  # ...and one member cannot join it
     with pytest.raises(ConnectionError, match=r"could not reach 10\.0\.0\.0"):
-        learner.sync_weights(runtime)
+        group.send()
     assert runtime.fleet.synced_with == [["a"]]  # nothing was sent the second time
     ray.get([worker.reset.remote(stats), engine_actor.reset.remote(None)])
-    assert learner.sync_weights(runtime)["sync/group_formed"] == 1.0
+    assert group.send()["sync/group_formed"] == 1.0
     # the old group was shut before the failed try: nobody is asked to leave it twice
     assert [c[0] for c in _calls(worker)] == ["join", "send"]
     assert [c[0] for c in _calls(engine_actor)] == ["join", "receive"]
@@ -195,35 +197,42 @@ def test_a_member_that_cannot_join_fails_the_sync_and_the_next_one_forms_the_gro
 def test_an_end_that_cannot_be_shut_stops_neither_a_new_group_nor_the_close(pool):
     stats = {"sync/tensors": 1.0}
     worker, engine_actor = _take(pool, [stats, None])
-    learner = RayLearner([worker], bucket_bytes=2**20, backend="gloo", sends="full")
     a = _engine(engine_actor, "a")
     runtime = SimpleNamespace(fleet=Fleet([a]))
-    learner.sync_weights(runtime)
+    group = RayGroup(runtime.fleet, [worker], bucket_bytes=2**20, backend="gloo")
+    group.send()
     a.revived = True
     ray.get([worker.reset.remote(stats, ("leave",)), engine_actor.reset.remote(None, ("leave",))])
-    assert learner.sync_weights(runtime)["sync/group_formed"] == 1.0  # the failed leaves are passed over
+    assert group.send()["sync/group_formed"] == 1.0  # the failed leaves are passed over
     assert [c[0] for c in _calls(worker)] == ["leave", "join", "send"]
-    learner.close()  # rank 0's end is gone too: the run still ends cleanly
+    group.close()  # rank 0's end is gone too: the run still ends cleanly
     assert _calls(worker)[-1] == ("leave",)
 
 
-def test_a_sync_without_a_runtime_does_nothing_and_one_without_ray_engines_says_so(pool):
+def test_the_runtime_picks_the_transport_once_and_no_engine_up_still_sends_alone(pool):
+    """The ray runtime's fleet: its group, NCCL on GPUs unless colocated (NCCL refuses two members on one
+    GPU), the cluster's bucket size; the local runtime (or no engines): in this process."""
     [worker] = _take(pool, [None])
-    learner = RayLearner([worker], bucket_bytes=2**20, backend="gloo", sends="lora")
-    assert learner.sync_weights(None) == {}  # a trainer-only stage: nothing to sync
-    with pytest.raises(ClusterError, match="needs engines from the ray runtime"):
-        learner.sync_weights(SimpleNamespace(fleet=None))
+    learner = RayLearner([worker], sends="lora")
+    ray_runtime, info = SimpleNamespace(fleet=Fleet([])), DistInfo(0, 1, torch.device("cpu"))
+    cluster = ClusterConfig(backend="ray", weight_sync_bucket_mb=2, trainer={"num_gpus": 1})
+    group = pick_transport(ray_runtime, learner, info, cluster)
+    assert isinstance(group, RayGroup) and (group.backend, group.bucket_bytes) == ("nccl", 2 * 2**20)
+    colocated = cluster.model_copy(update={"colocate": True})
+    assert pick_transport(ray_runtime, learner, info, colocated).backend == "gloo"
+    assert isinstance(pick_transport(None, learner, info, cluster), InProcess)
+    assert isinstance(pick_transport(SimpleNamespace(fleet=None), learner, info, ClusterConfig()), InProcess)
     assert _calls(worker) == [] and learner.sends == "lora"
     # no engine up to receive (every one died, none came back): rank 0 alone, in no dtype of theirs
     ray.get(worker.reset.remote({"sync/tensors": 2.0}))
-    stats = learner.sync_weights(SimpleNamespace(fleet=Fleet([])))
-    assert stats == {"sync/tensors": 2.0, "sync/engines": 0.0, "sync/group_formed": 1.0}
+    group = RayGroup(Fleet([]), [worker], bucket_bytes=2**20, backend="gloo")
+    assert group.send() == {"sync/tensors": 2.0, "sync/engines": 0.0, "sync/group_formed": 1.0}
     assert _calls(worker) == [("join", "10.0.0.0", 29555, 1, "gloo", 0), ("send", 2**20, None)]
 
 
 def test_every_rank_takes_every_call_with_its_arguments(pool):
     workers = _take(pool, [False, True])
-    learner = RayLearner(workers, bucket_bytes=2**20, backend="gloo", sends="full")
+    learner = RayLearner(workers, sends="full")
     assert learner.offload("params") is True and learner.onload() is True  # any rank that moved says so
     assert learner.offload() is True
     learner.reset_optimizer(7)
@@ -242,5 +251,5 @@ def test_every_rank_takes_every_call_with_its_arguments(pool):
         ("publish_checkpoint", "run", 3, "tok", {"step": 3}, 2),
     ]
     assert [_calls(w) for w in workers] == [want, want]
-    quiet = RayLearner(_take(pool, [False, False]), bucket_bytes=2**20, backend="gloo", sends="full")
+    quiet = RayLearner(_take(pool, [False, False]), sends="full")
     assert quiet.offload() is False and quiet.onload() is False  # no rank held GPU memory

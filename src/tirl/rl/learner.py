@@ -6,8 +6,9 @@ opens one (`open_learner`), so the trainer names no backend.
 `LocalLearner` of its own in a torch.distributed group; the driver keeps running `rl_step` top to
 bottom and calls them for log-probs, updates, sync and checkpoints.
 
-Colocated, a learner is the trainer side of tirl.runtime.colocation.Colocation, which decides when
-its state moves (`offload`, `onload`) and how the engines sleep from what its sync carries (`sends`).
+A learner names no transport: the runtime's handoff (tirl.runtime.handoff) decides when its state moves
+(`offload`, `onload`), how the engines sleep from what its sync carries (`sends`), and how a sync
+reaches the engines, from what the learner offers (`LocalLearner.sync_tensors`, `RayLearner.workers`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from tirl.distributed.weight_sync import SyncKind
     from tirl.rl.config import AlgorithmConfig, TrainConfig
     from tirl.rl.policy import TrainSample
-    from tirl.runtime.base import Runtime
     from tirl.runtime.ray_cluster import Placement
 
 
@@ -33,10 +33,6 @@ class Learner(Protocol):
 
     def update(self, samples: list[TrainSample], alg: AlgorithmConfig) -> dict[str, Any]:
         """Old log-probs, GRPO updates (one per mini-batch), the LR schedule's step; the metrics."""
-        ...
-
-    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
-        """The engines of `runtime` sample from the updated policy from now on."""
         ...
 
     def offload(self, what: str = "all") -> bool:

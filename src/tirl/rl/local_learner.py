@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tirl.distributed.groups import DistInfo, fails_in_minutes
-from tirl.distributed.weight_sync import FULL_SYNC, LORA_SYNC, Source, SyncKind, gathered
+from tirl.distributed.groups import DistInfo
+from tirl.distributed.weight_sync import FULL_SYNC, LORA_SYNC, Source, SyncKind
 from tirl.rl.lora import merged_tensors
 from tirl.rl.policy import Policy, TrainSample
 from tirl.rl.update import Shard, grpo_update
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tirl.rl.config import AlgorithmConfig
-    from tirl.runtime.base import Runtime
 
 HOST = torch.device("cpu")  # where offloaded state waits while colocated engines use the GPU
 
@@ -33,6 +32,11 @@ class LocalLearner:
     @property
     def info(self) -> DistInfo:
         return self.policy.info
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank trains: where its sync tensors are made (tirl.runtime.handoff.InProcess)."""
+        return self.policy.device
 
     def update(self, samples: list[TrainSample] | Shard, alg: AlgorithmConfig) -> dict[str, Any]:
         """The whole step's batch (every torchrun rank takes its share), or this rank's `Shard` of it
@@ -49,22 +53,6 @@ class LocalLearner:
         if self.sends == LORA_SYNC:
             return dict(merged_tensors(self.policy.model))
         return dict(self.policy.model.named_parameters())
-
-    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
-        """In-process engines (runtime.transport "load"): every rank gathers each tensor (a collective
-        under FSDP), rank 0 packs them once for its engines (Runtime.load_sources: one buffer in the
-        engines' dtype, on the GPU for an engine on rank 0's GPU; no fp32 copy of the model on the host)."""
-        if runtime is not None and runtime.transport != "load":
-            raise ValueError(
-                f"a local learner loads weights into in-process engines, not over {runtime.transport!r}"
-            )
-        sources = self.sync_tensors()
-        with fails_in_minutes("the weight sync's gathers", self.info):
-            if runtime is not None:
-                return runtime.load_sources(sources, self.policy.device)
-            for source in sources.values():  # this rank's part of rank 0's gathers, in the same order
-                gathered(source)
-        return {"sync/tensors": 0.0, "sync/bytes": 0.0}
 
     def offload(self, what: str = "all") -> bool:
         """Colocated engines run in this rank's GPU memory meanwhile: the optimizer state ("optimizer",

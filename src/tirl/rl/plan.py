@@ -87,7 +87,7 @@ class ClusterShape:
     # The trainer's state leaves the GPU while the engines generate: what the synchronous trainer does
     # whenever it is colocated (tirl.rl.trainer: optimizer after the update, parameters after the sync).
     trainer_offload: bool = False
-    # How a sync reaches the engines (tirl.runtime.base.Runtime.transport): "load", in-process engines
+    # How a sync reaches the engines (tirl.runtime.handoff.pick_transport): "load", in-process engines
     # (backend local: torchrun or one process), packed once into one buffer; "group", Ray's sync group.
     transport: str = "load"
 

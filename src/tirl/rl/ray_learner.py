@@ -1,15 +1,13 @@
 """The trainer side on Ray: one TrainerWorker actor per training rank (cluster.trainer.ranks), all in
 one torch.distributed group (FSDP2; gloo on CPU, NCCL on GPU), driven through the Learner interface
-by the driver's rl_step, and the bucketed weight sync from rank 0 to the engine actors over one
-persistent sync group (formed at the first sync, again only when the engines change, shut down at
-the end), in the engines' dtype.
+by the driver's rl_step. Each worker holds its end of a weight sync (rank 0 its end of the sync group,
+every rank its gathers); the group is formed and left by the runtime's transport
+(tirl.runtime.handoff.RayGroup), which drives `workers`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,9 +20,7 @@ from tirl.distributed.groups import DistInfo, fails_in_minutes
 from tirl.distributed.weight_sync import SyncChannel, SyncGroup, SyncKind, send_weights
 from tirl.ports import free_port
 from tirl.rl.update import Shard, shard_update
-from tirl.runtime.base import Runtime
-from tirl.runtime.ray import RemoteEngine
-from tirl.runtime.ray_cluster import ClusterError, Placement, connect, node_ip, whereabouts
+from tirl.runtime.ray_cluster import Placement, connect, node_ip, whereabouts
 
 if TYPE_CHECKING:
     from tirl.rl.config import AlgorithmConfig, TrainConfig
@@ -91,10 +87,9 @@ class TrainerWorker:
 class RayLearner:
     """The Learner interface on one TrainerWorker per rank; every call goes to all ranks at once."""
 
-    def __init__(self, workers: list, bucket_bytes: int, backend: str, sends: SyncKind):
-        self.workers, self.bucket_bytes, self.backend = workers, bucket_bytes, backend
+    def __init__(self, workers: list, sends: SyncKind):
+        self.workers = workers  # what a sync's transport drives (tirl.runtime.handoff.RayGroup)
         self.sends = sends  # what every sync carries, as the workers' learners decided it
-        self._group_key: list[str] | None = None  # the engines in the current sync group
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
@@ -109,61 +104,6 @@ class RayLearner:
         shards = [ray.put(s) for s in worker_shards(samples, alg, len(self.workers))]
         calls = [w.call.remote("update", shard, alg) for w, shard in zip(self.workers, shards, strict=True)]
         return ray.get(calls)[0]  # the metrics are all-reduced: rank 0's say it all
-
-    def sync_weights(self, runtime: Runtime | None) -> dict[str, float]:
-        import ray
-
-        if runtime is None:
-            return {}
-        if runtime.fleet is None:
-            raise ClusterError("backend=ray trains on Ray workers and needs engines from the ray runtime")
-        members = runtime.fleet.sync_targets()
-        formed = self._ensure_group(members)
-        dtype = members[0].dtype if members else None
-        sends = [w.send_weights.remote(self.bucket_bytes, dtype) for w in self.workers]
-        receives = [e.actor.receive_sync.remote() for e in members]
-        stats = ray.get(sends)[0]
-        ray.get(receives)
-        runtime.fleet.synced(members)
-        return stats | {"sync/engines": float(len(members)), "sync/group_formed": float(formed)}
-
-    def _ensure_group(self, members: list[RemoteEngine]) -> bool:
-        """The sync group of trainer rank 0 and `members`, formed again only when they changed (a
-        revived engine is a new process); True when formed now."""
-        import ray
-
-        key = [e.name for e in members]
-        if key == self._group_key and not any(e.revived for e in members):
-            return False
-        self._leave(members)
-        host, port = ray.get(self.workers[0].address.remote())  # on trainer rank 0's node
-        group = SyncGroup(host, port, 1 + sum(e.ranks for e in members), self.backend)
-        ranks = itertools.accumulate((e.ranks for e in members), initial=1)
-        joins = [self.workers[0].join_sync.remote(group)]
-        joins += [e.actor.join_sync.remote(group, r) for e, r in zip(members, ranks, strict=False)]
-        ray.get(joins)  # all at once: the group's rendezvous waits for every member
-        self._group_key = key
-        return True
-
-    def _leave(self, members: list[RemoteEngine]) -> None:
-        """Every member's end of the old group shut down (engines that died took theirs along)."""
-        import ray
-
-        if self._group_key is None:
-            return
-        calls = [self.workers[0].leave_sync.remote()] + [e.actor.leave_sync.remote() for e in members if e.up]
-        for call in calls:
-            with contextlib.suppress(ray.exceptions.RayError):
-                ray.get(call)
-        self._group_key = None
-
-    def close(self) -> None:
-        """Trainer rank 0's end of the sync group (the engines shut theirs as they close)."""
-        import ray
-
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.workers[0].leave_sync.remote())
-        self._group_key = None
 
     def offload(self, what: str = "all") -> bool:
         return any(self._all("offload", what))
@@ -197,7 +137,8 @@ def worker_shards(samples: list[TrainSample], alg: AlgorithmConfig, world: int) 
 async def open_ray_learner(
     cfg: TrainConfig, model_path: str, total_steps: int, placement: Placement
 ) -> AsyncIterator[RayLearner]:
-    """cluster.trainer.ranks TrainerWorker actors in `placement`'s trainer slots, one FSDP2 group."""
+    """cluster.trainer.ranks TrainerWorker actors in `placement`'s trainer slots, one FSDP2 group (the
+    runtime's handoff offloads them before the engines start, when colocated)."""
     ray = connect(cfg.cluster)
     ranks = len(placement.trainer)
     actor_cls = ray.remote(TrainerWorker)
@@ -210,15 +151,7 @@ async def open_ray_learner(
                 for r, w in enumerate(workers)
             )
         )
-        # NCCL refuses a group with two members on one GPU, which colocated rank 0 and engine 0 are:
-        # colocated, the sync is staged through host memory over gloo (CUDA IPC would be the fast path).
-        backend = "nccl" if cfg.cluster.trainer.num_gpus > 0 and not cfg.cluster.colocate else "gloo"
-        sends = await workers[0].sends.remote()
-        learner = RayLearner(workers, int(cfg.cluster.weight_sync_bucket_mb * 2**20), backend, sends)
-        try:
-            yield learner
-        finally:
-            learner.close()
+        yield RayLearner(workers, await workers[0].sends.remote())
     finally:
         for w in workers:
             ray.kill(w)

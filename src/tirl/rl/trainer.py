@@ -63,7 +63,7 @@ from tirl.rl.policy import TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler
 from tirl.runtime import Runtime, open_cluster_placement, open_runtime
-from tirl.runtime.colocation import Colocation, lends_devices, open_lending
+from tirl.runtime.handoff import Handoff, colocated, open_handoff, pick_transport
 from tirl.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -159,12 +159,14 @@ class Run:
     alerts: AlertMonitor
     versions: WeightVersions | None = None  # the engines' policy version and sync gate (rank 0 only)
     reward_stats: dict = field(default_factory=dict)  # the reward pool's counters at the last step's end
-    lending: Colocation | None = None  # engines and trainer taking turns on shared devices
+    handoff: Handoff | None = None  # this rank's devices and weights between trainer and engines
 
     def __post_init__(self) -> None:
-        if self.lending is None:
-            shared = lends_devices(self.cfg.cluster, self.cfg.algorithm.async_)
-            self.lending = Colocation(self.runtime, self.learner, self.info, shared)
+        if self.handoff is None:  # (a caller's runtime, opened already)
+            cluster = self.cfg.cluster
+            transport = pick_transport(self.runtime, self.learner, self.info, cluster)
+            shared = colocated(cluster, self.cfg.algorithm.async_)
+            self.handoff = Handoff(self.runtime, self.learner, self.info, shared, transport)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking learner call; in async mode off the event loop, so rollouts go on meanwhile."""
@@ -200,12 +202,13 @@ async def rl_step(run: Run, producer: GroupProducer | None, save: bool = False) 
     Steps 1-4 stream inside `producer` (tirl.rl.async_rollout): prompts are drawn and rolled out as
     there is room, each trajectory is scored as it ends and each group goes through RoC as its last
     member ends; with `algorithm.async` it keeps generating the next steps' groups during 6 and 7.
-    Colocated, the engines lend their devices to the trainer for 6 and get them back around 7
-    (`run.lending`, tirl.runtime.colocation: the one safe order, with its barriers). `save`: the step's
+    Colocated, the engines lend their devices to the trainer for 6 and get them back around 7; the
+    weights reach them in 7 (`run.handoff`, tirl.runtime.handoff: the one safe order, with its barriers,
+    and the transport picked when the runtime opened). `save`: the step's
     checkpoint is written right after its update, where the trainer's state is on its devices and
     colocated engines are asleep anyway; it becomes visible after the step's metrics (`checkpoint`).
     """
-    alg, step, lending = run.cfg.algorithm, run.state.step, run.lending
+    alg, step, handoff = run.cfg.algorithm, run.state.step, run.handoff
     timer = Timer()
     start, engines_before = time.perf_counter(), run.versions.snapshot() if run.versions else None
     metrics: dict = {"stage": run.state.stage}
@@ -223,19 +226,22 @@ async def rl_step(run: Run, producer: GroupProducer | None, save: bool = False) 
         metrics |= _rollout_report(run, batch)
     # 6. update: every rank trains on its share of the kept samples
     samples = broadcast_object(samples, run.info)
-    metrics |= lending.to_trainer()
+    metrics |= handoff.to_trainer()
     with timer("train"):
         metrics |= await run.blocking(run.learner.update, samples, alg)
     fault_point("update", step + 1)
     if save:  # 6b. the checkpoint's device half: every rank's shards and the export, staged
         with timer("checkpoint"):
             await run.blocking(run.learner.stage_checkpoint, run.cfg.run_dir, step + 1)
-    lending.to_sync()
+    handoff.to_sync()
     metrics["perf/train_tokens_per_s"] = metrics["train/trained_tokens"] / max(timer.seconds["train"], 1e-9)
     # 7. weight sync: the engines sample from the updated policy from the next turn on
+    # (turns in flight go on under the new weights: partial rollouts; tirl.engines.versions)
     with timer("sync"):
-        metrics |= await _sync(run, producer, step + 1)
-    lending.to_engines()
+        metrics |= await handoff.sync(run.versions, step + 1, off_loop=alg.async_)
+    if producer is not None:
+        producer.synced(step + 1)
+    handoff.to_engines()
     metrics |= _overlap_metrics(run, timer, time.perf_counter() - start, engines_before)
     return metrics | timer.metrics()
 
@@ -263,17 +269,6 @@ def _rollout_report(run: Run, batch: StepGroups) -> dict:
             alg.no_tool_p_err,
         )
         trajectory_sample.append(cfg.run_dir, sample)
-    return metrics
-
-
-async def _sync(run: Run, producer: GroupProducer | None, version: int) -> dict:
-    """The updated weights into the engines (every rank takes part in the gathers). With the runtime,
-    turns in flight go on under the new weights (partial rollouts; tirl.engines.versions)."""
-    if run.versions is None:
-        return run.learner.sync_weights(run.runtime)
-    async with run.versions.syncing(version):
-        metrics = await run.blocking(run.learner.sync_weights, run.runtime)
-    producer.synced(version)
     return metrics
 
 
@@ -389,15 +384,14 @@ async def _train(
         logger.truncate_after(state.step)
         trajectory_sample.truncate_after(cfg.run_dir, state.step)
     try:
-        shared = lends_devices(cfg.cluster, cfg.algorithm.async_)
         with open_cluster_placement(cfg.cluster, cfg.engine.num_engines) as placement:
             async with open_learner(
                 cfg, policy_path, info, cfg.stages[state.stage].steps, placement
             ) as learner:
                 engines = lambda: open_main_runtime(cfg, model_path, info, placement, runtime)  # noqa: E731
-                async with open_lending(learner, info, shared, engines) as lending:
+                async with open_handoff(learner, info, cfg.cluster, cfg.algorithm.async_, engines) as handoff:
                     alerts = _alert_monitor(cfg)
-                    run = Run(cfg, info, learner, lending.engines, state, logger, alerts, lending=lending)
+                    run = Run(cfg, info, learner, handoff.engines, state, logger, alerts, handoff=handoff)
                     await _run_stages(run, saved, console)
     finally:
         if logger:
@@ -419,7 +413,7 @@ async def _run_stages(run: Run, saved: dict | None, console) -> None:
 def snapshot_reference(run: Run) -> None:
     """The KL reference copied from the policy where it trains: colocated, the trainer's state is on the
     host between steps, and a copy made there would stay there while the update's inputs are on the GPU."""
-    with run.lending.trainer_resident():
+    with run.handoff.trainer_resident():
         run.learner.snapshot_reference()
 
 
@@ -439,7 +433,7 @@ async def _run_stage(run: Run, stage_index: int, saved: dict | None, console) ->
         snapshot_reference(run)
     if saved is not None:  # resuming inside this stage: restore exactly where it stopped
         sampler.load_state_dict(saved["sampler"])
-        with run.lending.trainer_resident():  # read into the shards where FSDP2 placed them
+        with run.handoff.trainer_resident():  # read into the shards where FSDP2 placed them
             learner.restore(saved)
     else:
         st.stage, st.stage_step = stage_index, 0

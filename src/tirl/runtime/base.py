@@ -66,14 +66,7 @@ class Runtime:
     tokenizer: PreTrainedTokenizerBase
     backend: str = "local"
     counters: dict[str, int] = field(default_factory=dict)  # infrastructure events (engine restarts, ...)
-    fleet: SyncFleet | None = None  # engines reached over a sync group (ray); None: they load in this process
-
-    @property
-    def transport(self) -> str:
-        """How a weight sync reaches these engines: "load", (name, tensor) pairs into `load_weights`
-        (in-process engines, remote servers); "group", buckets over a process group of trainer rank 0
-        and the engines' workers (tirl.distributed.weight_sync; the ray runtime's `fleet`)."""
-        return "load" if self.fleet is None else "group"
+    fleet: SyncFleet | None = None  # engines reached over a sync group (ray; tirl.runtime.handoff picks it)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The same (name, tensor) pairs into every engine, all at once (each engine's load is a
