@@ -44,7 +44,8 @@ Placed = list[tuple[Any, int]]  # (trajectory, engine) pairs a policy starts or 
 class Placement(Protocol):
     """What RolloutSim asks of a placement policy (tirl's Admission is one).
 
-    A program-level policy (benchmarks/scheduler_sim.py) also has `tool_started(traj) -> Placed`,
+    A program-level policy (`program_level` true: benchmarks/scheduler_sim.py's ProgramScheduler,
+    Admission with pause=True) also has `tool_started(traj) -> Placed`,
     `tool_returned(traj) -> Placed` and `schedule() -> Placed`: it learns of every tool boundary and
     decides where (and when) the next turn runs, possibly on another engine, or later (the program was
     paused); its `submit` may queue everything and place it at `schedule`, called once per burst.
@@ -319,7 +320,7 @@ class RolloutSim:
             n_engines, mode, budget_of=lambda e: engine.kv_tokens, reserve=reserve, rule=rule
         )
         # Program-level policies see every tool boundary (they may pause, move or hold the next turn).
-        self._programs = hasattr(self.policy, "tool_returned")
+        self._programs = getattr(self.policy, "program_level", False)
         # A full-L reservation never changes (a context never outgrows L): no need to report growth.
         self._follow_kv = rule != "reserve" or reserve < 1.0 or policy is not None
         self._schedule_due = False

@@ -106,6 +106,8 @@ class ProgramScheduler:
     best case.
     """
 
+    program_level = True  # the simulator reports every tool boundary
+
     def __init__(self, n_engines: int, kv_tokens: int, order: Order, size: Callable[[Hashable], int]):
         if order not in ("smallest", "group"):
             raise ValueError(f"unknown order {order!r}: use 'smallest' or 'group'")

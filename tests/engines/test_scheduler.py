@@ -402,3 +402,163 @@ async def test_a_window_reset_mid_flight_counts_the_running_engine_from_the_rese
     await running.__aexit__(None, None, None)
     clock.now = 9.0
     assert pool.metrics()["engines"][0]["busy_s"] == 3.0
+
+
+# --- pausing at tool calls (ThunderAgent's idea, tirl's order) ----------------------------------------
+
+
+def _over_full_engine() -> Admission:
+    """One engine of 8000 tokens, four trajectories placed at a 1000-token floor (reserve 0.25 x 4000)."""
+    policy = Admission(1, "dynamic", reserve=0.25, pause=True)
+    policy.set_budget(0, 8_000)
+    assert [policy.submit(t, "g", 4_000) for t in ("a", "b", "c", "d")] == [0] * 4
+    return policy
+
+
+def test_without_pause_tool_boundaries_change_nothing():
+    policy = Admission(1, "dynamic", reserve=0.25)
+    policy.set_budget(0, 2_000)
+    assert policy.submit("a", "g", 4_000) == 0 and not policy.program_level
+    policy.observe("a", 3_000)  # over its budget: nobody pauses, the engine's own queue copes
+    assert policy.tool_started("a") == [] and policy.tool_returned("a") == [("a", 0)]
+    assert policy.pauses == 0 and policy.slots[0].reserved == 3_000
+    assert not Admission(1, "static", pause=True).program_level  # static: the engine's queue copes
+
+
+def test_an_over_full_engine_pauses_the_smallest_trajectory_in_a_tool_call():
+    policy = _over_full_engine()
+    assert policy.program_level
+    for t, context in (("a", 3_000), ("b", 1_500), ("c", 1_200)):
+        policy.observe(t, context)
+        assert policy.tool_started(t) == []
+    assert policy.pauses == 0 and policy.slots[0].reserved == 6_700  # 3000 + 1500 + 1200 + d's 1000
+    policy.observe("d", 2_500)  # d, still generating, pushes the engine to 8200 > 8000
+    assert policy.pauses == 1 and policy._placed["c"].paused  # c: the smallest context in a tool call
+    assert policy.slots[0].reserved == 7_000 and policy.slots[0].paused == 1
+    assert policy.tool_returned("b") == [("b", 0)]  # not paused: it goes on at once
+    assert policy.tool_returned("c") == []  # paused: 7000 + 1200 > 8000, it waits
+    assert policy.submit("e", "g", 4_000) is None  # nobody new goes before a paused trajectory
+    # room again: c resumes first, at its real context, then the queue in order (5200 + 1000 <= 8000)
+    assert policy.release("a") == [("c", 0), ("e", 0)]
+    assert policy.slots[0].reserved == 4_000 + 1_200 + 1_000 and policy.slots[0].paused == 0
+    assert policy.schedule() == []
+
+
+def test_the_trajectory_whose_turn_ends_on_an_over_full_engine_pauses_itself():
+    policy = _over_full_engine()
+    policy.observe("a", 3_000)
+    policy.observe("b", 3_500)
+    policy.observe("c", 1_400)  # 3000 + 3500 + 1400 + 1000 = 8900: over, but nobody is in a tool call
+    assert policy.pauses == 0
+    assert policy.tool_started("c") == [] and policy._placed["c"].paused  # 7500 <= 8000 once it pauses
+    assert policy.slots[0].reserved == 7_500 and policy.pauses == 1
+
+
+def test_a_paused_trajectory_resumes_where_there_is_room_when_its_engine_has_none():
+    policy = Admission(2, "dynamic", reserve=0.25, pause=True)
+    policy.set_budget(0, 4_000)
+    policy.set_budget(1, 2_000)
+    assert [policy.submit(t, "g", 4_000) for t in "abc"] == [0, 0, 0]  # the group's engine first
+    policy.observe("a", 1_500)
+    policy.tool_started("a")
+    policy.observe("b", 1_800)
+    policy.observe("c", 1_000)  # 1500 + 1800 + 1000 = 4300 > 4000: a pauses
+    assert policy._placed["a"].paused and policy.slots[0].reserved == 2_800
+    assert policy.tool_returned("a") == [("a", 1)]  # no room at home: engine 1 re-prefills it
+    assert policy.engine_of("a") == 1 and policy.slots[1].reserved == 1_500
+    assert (policy.slots[0].active, policy.slots[1].active, policy.slots[0].paused) == (2, 1, 0)
+
+
+def test_resumes_wait_in_order_and_an_engine_running_nothing_takes_the_next():
+    policy = Admission(1, "dynamic", reserve=0.25, pause=True)
+    policy.set_budget(0, 3_000)
+    assert [policy.submit(t, "g", 4_000) for t in "abc"] == [0, 0, 0]
+    for t, context in (("a", 1_000), ("b", 1_200)):
+        policy.observe(t, context)
+        policy.tool_started(t)  # b's: 1000 + 1200 + c's floor 1000 > 3000, a (the smaller) pauses
+    policy.observe("c", 2_000)  # 1200 + 2000 > 3000: b pauses too
+    assert policy._placed["a"].paused and policy._placed["b"].paused
+    assert policy.tool_returned("b") == [] and policy.tool_returned("a") == []  # 2000 + 1200 > 3000
+    assert policy.release("c") == [("b", 0), ("a", 0)]  # in the order their tools returned
+    policy.observe("b", 2_900)
+    policy.tool_started("b")  # 3900 > 3000: b pauses (the smaller, a, is not in a tool call)
+    assert policy._placed["b"].paused and policy.tool_returned("b") == []
+    policy.observe("a", 3_100)  # alone and over budget: a pauses at its tool call, the engine runs
+    assert policy.tool_started("a") == [("b", 0)]  # nothing, so it takes b though 2900 + 3100 > 3000
+    assert policy._placed["a"].paused and policy.tool_returned("a") == []
+    assert policy.release("b") == [("a", 0)] and policy.slots[0].reserved == 3_100
+
+
+def test_a_paused_trajectory_that_is_released_leaves_nothing_behind():
+    policy = _over_full_engine()
+    policy.observe("a", 2_000)
+    policy.tool_started("a")
+    policy.observe("b", 5_000)  # 2000 + 5000 + 2000 > 8000: a pauses
+    assert policy._placed["a"].paused and policy.tool_returned("a") == []  # 7000 + 2000 > 8000
+    assert policy.submit("e", "g", 4_000) is None  # it would fit, but a paused one waits before it
+    assert policy.release("a") == [("e", 0)]  # cancelled while paused: gone from the resumes too
+    assert not policy._resumes and policy.slots[0].paused == 0 and policy.slots[0].active == 4
+    assert policy.slots[0].reserved == 5_000 + 3 * 1_000
+
+
+class _Turns(_KVReporter):
+    """An engine that generates `tokens` ids per call and counts the calls it served."""
+
+    def __init__(self, name: str, total: int, tokens: int):
+        super().__init__(name, total)
+        self.tokens, self.calls = tokens, 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams):
+        from tirl.engines.base import Generation
+
+        self.calls += 1
+        await asyncio.sleep(0)
+        return Generation([1] * self.tokens, [0.0] * self.tokens, "stop")
+
+
+async def test_the_scheduler_holds_a_paused_trajectory_at_its_next_turn_until_room_frees():
+    engine = _Turns("a", 1_000, tokens=300)
+    pool = RolloutScheduler([engine], reserve=0.2)  # floor 0.2 x 1000 = 200 tokens
+    first, second = pool.lease("g", 1_000), pool.lease("g", 1_000)
+    a, b = await first.__aenter__(), await second.__aenter__()
+    await a.generate([0] * 100, SamplingParams(max_tokens=300))  # a holds 400, in a tool call now
+    await b.generate([0] * 300, SamplingParams(max_tokens=300))  # b 600: 1000, within the budget
+    b_next = asyncio.create_task(b.generate([0] * 650, SamplingParams(max_tokens=300)))
+    await asyncio.sleep(0)  # b's prompt grew to 650: 1050 > 1000, so a (in its tool call) pauses
+    assert pool.policy.pauses == 1
+    a_next = asyncio.create_task(a.generate([0] * 420, SamplingParams(max_tokens=300)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not a_next.done() and engine.calls == 3  # a waits at its next turn ...
+    await b_next
+    await second.__aexit__(None, None, None)  # ... until b is done
+    assert len((await a_next).token_ids) == 300 and engine.calls == 4
+    await first.__aexit__(None, None, None)
+    assert pool.policy.slots[0].reserved == 0 and not pool._resuming
+
+
+async def test_a_trajectory_cancelled_while_paused_gives_everything_back():
+    engine = _Turns("a", 1_000, tokens=300)
+    pool = RolloutScheduler([engine], reserve=0.2)
+    tool = asyncio.Event()
+
+    async def trajectory() -> None:
+        async with pool.lease("g", 1_000) as leased:
+            await leased.generate([0] * 100, SamplingParams(max_tokens=300))
+            await tool.wait()  # its tool call: it holds 400 meanwhile
+            await leased.generate([0] * 420, SamplingParams(max_tokens=300))
+
+    paused = asyncio.create_task(trajectory())
+    await asyncio.sleep(0.01)
+    other = pool.lease("g", 1_000)
+    leased = await other.__aenter__()
+    await leased.generate([0] * 700, SamplingParams(max_tokens=300))  # 400 + 700 > 1000: it pauses
+    tool.set()
+    await asyncio.sleep(0.01)
+    assert pool.policy.pauses == 1 and not paused.done() and pool._resuming  # 1000 + 400 > 1000
+    paused.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await paused
+    assert not pool._resuming and not pool.policy._resumes and pool.policy.slots[0].paused == 0
+    await other.__aexit__(None, None, None)
+    assert pool.policy.slots[0].reserved == 0 and pool.policy.slots[0].active == 0

@@ -29,7 +29,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -50,10 +50,15 @@ class EngineSlots:
     budget: int | None = None  # KV tokens it may fill (its free tokens when idle); None: unknown
     reserved: int = 0  # sum of the reservations of trajectories placed on it
     active: int = 0  # trajectories placed on it
+    paused: int = 0  # of which paused at a tool call (they reserve nothing until they resume)
 
     def fits(self, tokens: int) -> bool:
-        # An idle engine always takes one trajectory, even one longer than its cache (no deadlock).
-        return self.active == 0 or self.budget is None or self.reserved + tokens <= self.budget
+        # An engine running nothing always takes one trajectory, even one longer than its cache
+        # (no deadlock).
+        return self.active == self.paused or self.budget is None or self.reserved + tokens <= self.budget
+
+    def over(self) -> bool:
+        return self.budget is not None and self.reserved > self.budget
 
     def headroom(self) -> float:
         return float("inf") if self.budget is None else self.budget - self.reserved
@@ -64,6 +69,9 @@ class _Placement:
     engine: int
     floor: int  # the reservation never drops below this (reserve * L; free_kv: L until it starts, then 0)
     reservation: int
+    context: int = 0  # KV tokens it holds (last observed)
+    in_tool: bool = False  # its turn ended: a tool call runs, its KV is the engine's prefix cache
+    paused: bool = False  # held back at a tool call: it reserves nothing until it resumes
 
 
 class Admission(Generic[Ticket]):
@@ -80,6 +88,17 @@ class Admission(Generic[Ticket]):
     Callers submit a hashable ticket (a future, a simulated trajectory) and get an engine index, or
     None when it was queued; `release` returns the queued tickets it could place. `budget_of(engine)`
     is asked for an idle engine's free KV tokens before placing (it then holds nothing of ours).
+
+    pause=True (dynamic mode; ThunderAgent's idea, arXiv 2602.13692, with tirl's order): callers also
+    report each turn's end (`tool_started`) and the tool's return (`tool_returned`). When the real
+    contexts on an engine outgrow its budget (reserve < 1, free_kv), trajectories waiting on a tool
+    are paused, smallest context first (the cheapest to re-prefill; the long ones, which end the
+    step, keep going), instead of letting the engine preempt running ones: a paused
+    trajectory reserves nothing (its KV is the engine's evictable prefix cache) and its next turn
+    waits until there is room again, ahead of every new trajectory: on its engine (where the
+    prefix may still be cached), else where there is most room. Admission stays FIFO, group by group, so a
+    GRPO group's members move together; ThunderAgent's smallest-first order starves long prompts.
+    With reserve=1.0 no engine is ever over its budget: nothing pauses.
     """
 
     def __init__(
@@ -90,6 +109,7 @@ class Admission(Generic[Ticket]):
         reserve: float = 1.0,
         rule: Rule = "reserve",
         group_memory: int = 4096,
+        pause: bool = False,
     ):
         if n_engines < 1:
             raise ValueError(f"the scheduler needs at least one engine, got {n_engines}")
@@ -109,13 +129,22 @@ class Admission(Generic[Ticket]):
         self._round_robin = itertools.cycle(range(n_engines))
         self._group_engine: OrderedDict[str, int] = OrderedDict()  # LRU: group -> engine holding its prefix
         self._group_memory = group_memory
+        self.pause = pause and mode == "dynamic"
+        self.pauses = 0
+        self._in_tool: list[dict[Ticket, None]] = [{} for _ in range(n_engines)]  # unpaused, in a tool call
+        self._resumes: deque[Ticket] = deque()  # paused, their tool returned: they go before new ones
+
+    @property
+    def program_level(self) -> bool:
+        """Whether callers must report tool boundaries (and hold a paused trajectory's next turn)."""
+        return self.pause
 
     def set_budget(self, engine: int, free_tokens: int | None) -> None:
         self.slots[engine].budget = free_tokens
 
     def submit(self, ticket: Ticket, group: str, max_tokens: int) -> int | None:
         """Place now (engine index) or queue behind earlier tickets (None): nobody overtakes."""
-        if not self.queue:
+        if not self.queue and not self._resumes:  # paused trajectories go first
             engine = self._place(ticket, group, max_tokens)
             if engine is not None:
                 return engine
@@ -133,11 +162,42 @@ class Admission(Generic[Ticket]):
     def observe(self, ticket: Ticket, context_tokens: int) -> None:
         """A placed trajectory's context (KV it holds) grew: its reservation follows once past the floor."""
         placement = self._placed[ticket]
+        placement.context = context_tokens
         if self.rule == "free_kv":
             placement.floor = 0  # started: the engine's free KV now reflects what it really holds
+        if placement.paused:
+            return
         reservation = max(placement.floor, context_tokens)
         self.slots[placement.engine].reserved += reservation - placement.reservation
         placement.reservation = reservation
+        if self.pause:
+            self._relieve(placement.engine)
+
+    def tool_started(self, ticket: Ticket) -> list[tuple[Ticket, int]]:
+        """Its turn ended: on an over-full engine the youngest trajectories in tool calls pause.
+
+        Returns the tickets placed or resumed meanwhile (ticket, engine)."""
+        placement = self._placed[ticket]
+        if not self.pause or placement.paused:
+            return []
+        placement.in_tool = True
+        self._in_tool[placement.engine][ticket] = None
+        self._relieve(placement.engine)
+        return self._drain()
+
+    def tool_returned(self, ticket: Ticket) -> list[tuple[Ticket, int]]:
+        """Its tool call returned: it goes on (it is among the tickets returned) or waits to resume."""
+        placement = self._placed[ticket]
+        placement.in_tool = False
+        self._in_tool[placement.engine].pop(ticket, None)
+        if not placement.paused:
+            return [(ticket, placement.engine)]
+        self._resumes.append(ticket)
+        return self._drain()
+
+    def schedule(self) -> list[tuple[Ticket, int]]:
+        """Place what fits now: paused trajectories first, then queued ones in order."""
+        return self._drain()
 
     def release(self, ticket: Ticket) -> list[tuple[Ticket, int]]:
         """A trajectory finished: free its room and place queued tickets, in order, while they fit."""
@@ -145,8 +205,16 @@ class Admission(Generic[Ticket]):
         slot = self.slots[placement.engine]
         slot.reserved -= placement.reservation
         slot.active -= 1
-        placed = []
-        while self.queue:
+        self._in_tool[placement.engine].pop(ticket, None)
+        if placement.paused:
+            slot.paused -= 1
+            if ticket in self._resumes:
+                self._resumes.remove(ticket)
+        return self._drain()
+
+    def _drain(self) -> list[tuple[Ticket, int]]:
+        placed = self._resume()
+        while self.queue and not self._resumes:
             waiting, group, tokens = self.queue[0]
             target = self._place(waiting, group, tokens)
             if target is None:
@@ -154,6 +222,47 @@ class Admission(Generic[Ticket]):
             self.queue.popleft()
             placed.append((waiting, target))
         return placed
+
+    def _resume(self) -> list[tuple[Ticket, int]]:
+        """Resume paused trajectories in the order their tools returned, while the next one fits:
+        on its engine (its prefix may still be cached there), else where there is most room (every
+        turn sends its whole context, so another engine re-prefills it)."""
+        resumed = []
+        while self._resumes:
+            placement = self._placed[self._resumes[0]]
+            tokens = max(placement.floor, placement.context)
+            engine = placement.engine
+            if not self.slots[engine].fits(tokens):
+                fitting = [e for e, s in enumerate(self.slots) if s.fits(tokens)]
+                if not fitting:
+                    break
+                engine = max(fitting, key=lambda e: (self.slots[e].headroom(), -self.slots[e].active))
+            ticket = self._resumes.popleft()
+            self._move(placement, engine)
+            placement.paused, placement.reservation = False, tokens
+            self.slots[engine].reserved += tokens
+            resumed.append((ticket, engine))
+        return resumed
+
+    def _move(self, placement: _Placement, engine: int) -> None:
+        old = self.slots[placement.engine]
+        old.active -= 1
+        old.paused -= 1
+        self.slots[engine].active += 1
+        placement.engine = engine
+
+    def _relieve(self, engine: int) -> None:
+        """Pause the engine's trajectories in tool calls, smallest context first, until it is within
+        its budget (running ones go on: the engine would preempt them, recomputing more)."""
+        slot, in_tool = self.slots[engine], self._in_tool[engine]
+        while slot.over() and in_tool:
+            victim = min(in_tool, key=lambda t: self._placed[t].context)
+            del in_tool[victim]
+            placement = self._placed[victim]
+            slot.reserved -= placement.reservation
+            placement.paused, placement.reservation = True, 0
+            slot.paused += 1
+            self.pauses += 1
 
     def holds(self, ticket: Ticket) -> bool:
         return ticket in self._placed
@@ -221,17 +330,34 @@ class _EngineMetrics:
 
 
 class _LeasedEngine:
-    """The engine a trajectory leased: forwards everything, reports the trajectory's KV to the policy."""
+    """The engine a trajectory leased: forwards everything, reports the trajectory's KV to the policy.
 
-    def __init__(self, engine: Engine, on_context: Callable[[int], None]):
+    With `turns` (the scheduler's pausing), a turn after the first first waits for the policy to let
+    the trajectory go on (it may have been paused at its tool call, and may resume on another engine:
+    every turn sends its whole context), and the end of each turn is reported.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        on_context: Callable[[int], None],
+        turns: tuple[Callable[[], Awaitable[Engine]], Callable[[], None]] | None = None,
+    ):
         self._engine = engine
         self._on_context = on_context
+        self._turns = turns
+        self._turn = 0
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if self._turns is not None and self._turn:
+            self._engine = await self._turns[0]()
+        self._turn += 1
         self._on_context(len(prompt_ids))
         generation = await self._engine.generate(prompt_ids, params)
         # The context stays cached for the next turn, so it keeps counting while the tool runs.
         self._on_context(len(prompt_ids) + len(generation.token_ids))
+        if self._turns is not None:
+            self._turns[1]()
         return generation
 
     def __getattr__(self, name: str) -> Any:  # capacity, load_weights, close, name, ...
@@ -242,6 +368,8 @@ class RolloutScheduler:
     """EnginePool over several engines; mode="dynamic" (KV-cache-aware) or "static" (round-robin).
 
     `reserve` and `rule` are Admission's: reserve=1.0 (full L per trajectory) never preempts.
+    `pause` (dynamic mode): when real contexts outgrow an engine's budget (reserve < 1, free_kv),
+    trajectories waiting on a tool are held back at their next turn until there is room (Admission).
     """
 
     def __init__(
@@ -251,6 +379,7 @@ class RolloutScheduler:
         reserve: float = 1.0,
         rule: Rule = "reserve",
         clock: Callable[[], float] = time.monotonic,
+        pause: bool = True,
     ):
         self.engines = list(engines)
         self.mode = mode
@@ -260,7 +389,9 @@ class RolloutScheduler:
             budget_of=lambda e: self.engines[e].capacity().free_tokens,
             reserve=reserve,
             rule=rule,
+            pause=pause,
         )
+        self._resuming: dict[asyncio.Future[int], asyncio.Future[int]] = {}  # paused ticket -> its wake-up
         self._clock = clock
         self.reset_metrics()
 
@@ -272,9 +403,35 @@ class RolloutScheduler:
         ticket = await self._acquire(group, max_tokens)
         try:
             engine = self.engines[self.policy.engine_of(ticket)]
-            yield _LeasedEngine(engine, lambda tokens: self.policy.observe(ticket, tokens))
+            turns = None
+            if self.policy.program_level:
+                turns = (
+                    lambda: self._next_turn(ticket),
+                    lambda: self._hand_out(self.policy.tool_started(ticket)),
+                )
+            yield _LeasedEngine(engine, lambda tokens: self.policy.observe(ticket, tokens), turns)
         finally:
             self._release(ticket)
+
+    async def _next_turn(self, ticket: asyncio.Future[int]) -> Engine:
+        """The trajectory's tool call returned: go on, or wait until the policy resumes it."""
+        before = self.policy.engine_of(ticket)
+        placed = self.policy.tool_returned(ticket)
+        self._hand_out([(t, e) for t, e in placed if t is not ticket])
+        if not any(t is ticket for t, _ in placed):
+            wake: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            self._resuming[ticket] = wake
+            try:
+                await wake
+            finally:
+                self._resuming.pop(ticket, None)
+        self._moved(before, self.policy.engine_of(ticket))
+        return self.engines[self.policy.engine_of(ticket)]
+
+    def _moved(self, before: int, after: int) -> None:
+        if after != before:
+            self._on_finish(before)
+            self._on_start(after)
 
     async def _acquire(self, group: str, max_tokens: int) -> asyncio.Future[int]:
         if self._started is None:
@@ -282,6 +439,7 @@ class RolloutScheduler:
         ticket: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         engine = self.policy.submit(ticket, group, max_tokens)
         if engine is not None:
+            ticket.set_result(engine)  # every leased ticket is done: a placed one later resumes
             self._on_start(engine)
             return ticket
         try:
@@ -296,7 +454,16 @@ class RolloutScheduler:
         engine = self.policy.engine_of(ticket)
         placed = self.policy.release(ticket)
         self._on_finish(engine)
+        self._hand_out(placed)
+
+    def _hand_out(self, placed: list[tuple[asyncio.Future[int], int]]) -> None:
+        """Wake the trajectories the policy placed: queued ones start, paused ones resume."""
         for waiting, target in placed:
+            if waiting.done() and not waiting.cancelled():  # a leased trajectory resumes
+                wake = self._resuming.get(waiting)
+                if wake is not None and not wake.done():
+                    wake.set_result(target)
+                continue
             self._on_start(target)
             if waiting.done():  # cancelled while queued: hand its room on
                 self._release(waiting)
