@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rollout_sim import EngineModel, Placed, SimResult, TrajectorySpec, Workload, simulate
+from tirl.engines.scheduler import Admission
 
 # Latency of one call to tirl's sandbox service (HTTP, full isolation), measured 2026-12-07 at
 # 732085e on the 2-core development machine at load 1.0: 300 calls each of the bench's trivial,
@@ -331,14 +332,24 @@ def paper_workload(prompts: int, group: int, max_len: int, tool_scale: float) ->
     )
 
 
+TIRL_VARIANTS = (
+    ("tirl full L (default)", 1.0, True),  # full L is never over its budget: it never pauses
+    ("tirl r=0.7, no pausing", 0.7, False),
+    ("tirl r=0.5 + pausing", 0.5, True),
+    ("tirl r=0.1 + pausing", 0.1, True),
+)
+
+
 def compare_policies(
     specs: list[TrajectorySpec], n_engines: int, engine: EngineModel, max_len: int
 ) -> list[PolicyRow]:
-    """tirl's Admission (full L, r=0.7) beside program-level scheduling, smallest- and group-first."""
+    """tirl's Admission (its default full L; r=0.7 without pausing; r=0.5 and 0.1 pausing at tool
+    calls) beside program-level scheduling, smallest-first (ThunderAgent) and group-first."""
     rows = []
-    for name, kw in (("tirl (full L, default)", {"reserve": 1.0}), ("tirl r=0.7", {"reserve": 0.7})):
-        result = simulate(specs, n_engines, engine, "dynamic", max_len, **kw)
-        rows.append(PolicyRow(name, result, *wait_stats(specs, result)))
+    for name, reserve, pause in TIRL_VARIANTS:
+        policy = Admission(n_engines, "dynamic", lambda e: engine.kv_tokens, reserve=reserve, pause=pause)
+        result = simulate(specs, n_engines, engine, "dynamic", max_len, policy=policy)
+        rows.append(PolicyRow(name, result, *wait_stats(specs, result), pauses=policy.pauses))
     for name, order in (("ThunderAgent (smallest-first)", "smallest"), ("group-aware programs", "group")):
         policy = ProgramScheduler(n_engines, engine.kv_tokens, order, lambda t: t.spec.prompt_tokens)
         result = simulate(specs, n_engines, engine, "dynamic", max_len, policy=policy)
