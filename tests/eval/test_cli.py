@@ -62,7 +62,9 @@ def test_eval_writes_consistent_report(tiny_model_dir, tmp_path):
         assert sum(t["majority"] for t in votes) == int(has_answer)
     report = (out / "report.md").read_text()
     assert "| three | 3 |" in report and "avg@2 pass@1" in report
-    assert re.search(r"\nAnswer checks: \d+ responses scored \(\d+ without a boxed answer\); \d+ answer", report)
+    assert re.search(
+        r"\nAnswer checks: \d+ responses scored \(\d+ without a boxed answer\); \d+ answer", report
+    )
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["total_seconds"] > saved["seconds"] > 0  # start-up is counted, and said apart
     assert f"Wall time: {saved['total_seconds']:.1f} s in all: " in report
