@@ -13,7 +13,7 @@ hands back proxies with the same interfaces, so the callers never know which one
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -67,12 +67,6 @@ class Runtime:
     backend: str = "local"
     counters: dict[str, int] = field(default_factory=dict)  # infrastructure events (engine restarts, ...)
     fleet: SyncFleet | None = None  # engines reached over a sync group (ray; tirl.runtime.handoff picks it)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The same (name, tensor) pairs into every engine, all at once (each engine's load is a
-        transfer into its own process: they overlap)."""
-        weights = list(weights)
-        _concurrently([lambda e=e: e.load_weights(weights) for e in self.engines])
 
     def load_sources(self, sources: dict[str, Source], device: torch.device) -> dict[str, float]:
         """One sync from the trainer in this process (`sources` gathered one at a time: under FSDP a
