@@ -63,7 +63,7 @@ from tirl.rl.policy import TrainSample
 from tirl.rl.roc import resample_on_correct
 from tirl.rl.sampler import EpochSampler
 from tirl.runtime import Runtime, open_cluster_placement, open_runtime
-from tirl.runtime.handoff import Handoff, colocated, open_handoff, pick_transport
+from tirl.runtime.handoff import Handoff, handoff_for, open_handoff
 from tirl.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -163,10 +163,8 @@ class Run:
 
     def __post_init__(self) -> None:
         if self.handoff is None:  # (a caller's runtime, opened already)
-            cluster = self.cfg.cluster
-            transport = pick_transport(self.runtime, self.learner, self.info, cluster)
-            shared = colocated(cluster, self.cfg.algorithm.async_)
-            self.handoff = Handoff(self.runtime, self.learner, self.info, shared, transport)
+            async_ = self.cfg.algorithm.async_
+            self.handoff = handoff_for(self.runtime, self.learner, self.info, self.cfg.cluster, async_)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking learner call; in async mode off the event loop, so rollouts go on meanwhile."""
@@ -204,7 +202,7 @@ async def rl_step(run: Run, producer: GroupProducer | None, save: bool = False) 
     member ends; with `algorithm.async` it keeps generating the next steps' groups during 6 and 7.
     Colocated, the engines lend their devices to the trainer for 6 and get them back around 7; the
     weights reach them in 7 (`run.handoff`, tirl.runtime.handoff: the one safe order, with its barriers,
-    and the transport picked when the runtime opened). `save`: the step's
+    and the way to the engines the runtime chose). `save`: the step's
     checkpoint is written right after its update, where the trainer's state is on its devices and
     colocated engines are asleep anyway; it becomes visible after the step's metrics (`checkpoint`).
     """

@@ -276,6 +276,14 @@ class Handoff:
         return int(broadcast_object(asleep, self.info))
 
 
+def handoff_for(
+    engines: Runtime | None, trainer: Trainer, info: DistInfo, cluster: ClusterConfig, async_: bool
+) -> Handoff:
+    """The handoff between a trainer and engines that are open already (a caller's runtime)."""
+    transport = pick_transport(engines, trainer, info, cluster)
+    return Handoff(engines, trainer, info, colocated(cluster, async_), transport)
+
+
 @asynccontextmanager
 async def open_handoff(
     trainer: Trainer,
