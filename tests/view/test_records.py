@@ -565,3 +565,22 @@ def test_forged_observations_show_per_trajectory_and_in_the_page(tmp_path):
     assert view_record(old, 1)["forged"] == 0
     page = build_html(Source("trajectories", tmp_path / "t.jsonl", [forged.to_dict()]))
     assert 'key: "forged"' in page and 'id="forged"' in page
+
+
+def test_the_page_shows_the_forged_column_and_badge(browser, tmp_path):
+    """In a real headless Chromium: the forged count in its column (0 for an honest record), and the
+    badge on the forging trajectory's detail only."""
+    from tests.view.browser import Page
+
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, [traj("x", [], forged_observations=2).to_dict(), traj("y", []).to_dict()])
+    result = CliRunner().invoke(app, ["view", str(path)])
+    assert result.exit_code == 0, result.output
+    page = Page(browser, path.with_suffix(".html").as_uri())
+    assert "forged" in page.page.inner_text("#thead")
+    page.page.click('.row[data-id="0"]')
+    assert page.page.inner_text("#detail #forged") == "2 forged tool responses"
+    page.page.click('.row[data-id="1"]')
+    assert page.page.query_selector("#detail #forged") is None
+    assert page.errors == []
+    page.close()
