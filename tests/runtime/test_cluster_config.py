@@ -82,11 +82,9 @@ def test_colocate_is_validated(tmp_path):
     pytest.importorskip("ray")
     ray = ["cluster.backend=ray", "cluster.colocate=true", "cluster.trainer.ranks=2", "engine.num_engines=2"]
     cfg = load_config(TrainConfig, _config(tmp_path), ray)
-    assert cfg.cluster.engines_share_devices
-    assert not load_config(TrainConfig, _config(tmp_path), ray[:1]).cluster.engines_share_devices
-    assert load_config(
-        TrainConfig, _config(tmp_path)
-    ).cluster.engines_share_devices  # local: engine i on cuda:i
+    assert cfg.cluster.colocated
+    assert not load_config(TrainConfig, _config(tmp_path), ray[:1]).cluster.colocated
+    assert load_config(TrainConfig, _config(tmp_path)).cluster.colocated  # local: engine i on cuda:i
     bad = {
         "cluster.colocate is for backend=ray": ["cluster.colocate=true"],
         "engine.num_engines=1 and cluster.trainer.ranks=2": [*ray, "engine.num_engines=1"],

@@ -327,7 +327,7 @@ class TrainConfig(_Strict):
                 f"cluster.colocate pairs engine i with trainer rank i on one device, but engine.num_engines="
                 f"{engine.num_engines} and cluster.trainer.ranks={cluster.trainer.ranks}: make them equal"
             )
-        lending = cluster.engines_share_devices and not self.algorithm.async_
+        lending = cluster.colocated and not self.algorithm.async_
         if lending and engine.backend == "vllm" and self._engines_on_gpus() and not engine.enable_sleep_mode:
             where = "cluster.colocate" if cluster.colocate else "cluster.backend=local (engine i on cuda:i)"
             raise ValueError(

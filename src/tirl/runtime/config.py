@@ -158,7 +158,7 @@ class ClusterConfig(_Strict):
         return " + ".join(parts)
 
     @property
-    def engines_share_devices(self) -> bool:
+    def colocated(self) -> bool:
         """Engines share devices with trainer ranks: backend=local always (engine i on cuda:i, next to
         torchrun rank i), backend=ray when `colocate` puts engine i in rank i's bundle. Such engines
         lend their memory to the trainer while it trains (tirl.runtime.handoff)."""

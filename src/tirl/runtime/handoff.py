@@ -57,10 +57,10 @@ if TYPE_CHECKING:
     from tirl.runtime.config import ClusterConfig
 
 
-def colocated(cluster: ClusterConfig, async_: bool) -> bool:
+def _takes_turns(cluster: ClusterConfig, async_: bool) -> bool:
     """Whether engines and trainer ranks take turns on the same devices around each update: they share
-    them (cluster.engines_share_devices) and are synchronous (async engines keep generating meanwhile)."""
-    return cluster.engines_share_devices and not async_
+    them (cluster.colocated) and are synchronous (async engines keep generating meanwhile)."""
+    return cluster.colocated and not async_
 
 
 class Trainer(Protocol):
@@ -281,7 +281,7 @@ def handoff_for(
 ) -> Handoff:
     """The handoff between a trainer and engines that are open already (a caller's runtime)."""
     transport = pick_transport(engines, trainer, info, cluster)
-    return Handoff(engines, trainer, info, colocated(cluster, async_), transport)
+    return Handoff(engines, trainer, info, _takes_turns(cluster, async_), transport)
 
 
 @asynccontextmanager
@@ -296,7 +296,7 @@ async def open_handoff(
     devices (colocated), then the runtime opened (rank 0's engines start on those devices and size their
     KV cache by the memory the trainer left free) and the transport picked; at the end it is closed
     before the runtime."""
-    handoff = Handoff(None, trainer, info, colocated(cluster, async_))
+    handoff = Handoff(None, trainer, info, _takes_turns(cluster, async_))
     handoff.before_engines()
     async with open_engines() as engines:
         handoff.engines = engines
