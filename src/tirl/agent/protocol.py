@@ -226,14 +226,14 @@ def _json_type(value) -> str:
 # The frame tirl writes around a tool's output (tool_response_pieces). A model that writes it in its own
 # turn makes up an observation: trained on, it is learned as if the environment had said it.
 _FORGED_TAGS = re.compile(r"</?tool_response>")
-_CALL_SPAN = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.S)
+_CALL_SPAN = re.compile(r"<tool_call>.*?</tool_call>", re.S)  # closed: an unclosed one shields nothing
 _FRAME_HEAD = "<|im_start|>user\n"  # the frame's opening before the tag, when the model writes it too
 
 
 def forged_frame_at(text: str) -> int | None:
     """Where the model's own turn starts writing a tool-response frame (`<tool_response>` or
     `</tool_response>`, with the `<|im_start|>user\n` before it if written), or None. Text inside a
-    `<tool_call>` (a program that prints the tag) is the call's, not a frame."""
+    closed `<tool_call>` (a program that prints the tag) is the call's, not a frame."""
     calls = [m.span() for m in _CALL_SPAN.finditer(text)]
     for m in _FORGED_TAGS.finditer(text):
         if not any(a <= m.start() < b for a, b in calls):
