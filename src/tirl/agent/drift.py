@@ -78,25 +78,40 @@ def check_drift(
     after its header (the prefill) and without the end-of-turn token the template writes itself."""
     full = list(traj.prompt_ids) + list(traj.response_ids)
     starts = _turn_starts(traj)
-    assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    if len(assistants) != len(starts):
-        raise DriftError(
-            f"{len(assistants)} assistant messages for {len(starts)} generated turns: not this trajectory's"
-        )
     again = prefill if continue_prefill is None else continue_prefill
+    shown = renderings(tokenizer, messages, tools, prefill, again)
+    if len(shown) != len(starts) + 1:
+        raise DriftError(
+            f"{len(shown) - 1} assistant messages for {len(starts)} generated turns: not this trajectory's"
+        )
     report = DriftReport(tool_messages=tool_messages)
-    for k, (index, start) in enumerate(zip(assistants, starts, strict=True)):
+    for (where, ids), end in zip(shown, [*starts, len(full)], strict=True):
+        _compare(tokenizer, report, where, _trimmed(tokenizer, where, ids, end), full[:end])
+    return report
+
+
+def renderings(
+    tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None, prefill: str, again: str
+) -> list[tuple[str, list[int]]]:
+    """Each assistant turn's context (the generation prompt, then `prefill` on the first turn and
+    `again` on later ones) and the whole conversation, rendered by the template and tokenized whole."""
+    assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    out = []
+    for k, index in enumerate(assistants):
         text = _render(tokenizer, messages[:index], tools, True) + (prefill if k == 0 else again)
-        _compare(tokenizer, report, f"context of turn {k}", encode(tokenizer, text), full[:start])
+        out.append((f"context of turn {k}", encode(tokenizer, text)))
     ends_in_tool = bool(messages) and messages[-1].get("role") != "assistant"
     whole = _render(tokenizer, messages, tools, ends_in_tool) + (again if ends_in_tool else "")
-    rendered = encode(tokenizer, whole)
-    # What the template writes after the last generated token (its end-of-turn, a newline) was not trained.
-    rest = tokenizer.decode(rendered[len(full) :], skip_special_tokens=True)
-    _compare(
-        tokenizer, report, "whole conversation", rendered[: len(full)] if not rest.strip() else rendered, full
-    )
-    return report
+    return [*out, ("whole conversation", encode(tokenizer, whole))]
+
+
+def _trimmed(tokenizer, where: str, rendered: list[int], trained: int) -> list[int]:
+    """The whole conversation's rendering without what the template writes after the last trained
+    token (its end-of-turn, a newline: never generated, never trained); a context as it is."""
+    if where != "whole conversation":
+        return rendered
+    rest = tokenizer.decode(rendered[trained:], skip_special_tokens=True)
+    return rendered[:trained] if not rest.strip() else rendered
 
 
 def _render(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool) -> str:
@@ -275,23 +290,12 @@ def check_counts(
     """`check_drift` without the trained ids: each rendering's token count against the trained count at
     that boundary (`bounds`: where each turn starts, then the end). Equal counts do not prove equal
     tokens; a different count proves drift."""
+    shown = renderings(tokenizer, messages, tools, prefill, again)
+    if len(shown) != len(bounds):
+        raise DriftError(f"{len(shown) - 1} assistant messages for {len(bounds) - 1} counted turns")
     report = DriftReport(tool_messages=tool_messages, counts_only=True)
-    assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    for k, index in enumerate(assistants):
-        text = _render(tokenizer, messages[:index], tools, True) + (prefill if k == 0 else again)
-        _count(tokenizer, report, f"context of turn {k}", encode(tokenizer, text), bounds[k])
-    ends_in_tool = bool(messages) and messages[-1].get("role") != "assistant"
-    rendered = encode(
-        tokenizer, _render(tokenizer, messages, tools, ends_in_tool) + (again if ends_in_tool else "")
-    )
-    rest = tokenizer.decode(rendered[bounds[-1] :], skip_special_tokens=True)
-    _count(
-        tokenizer,
-        report,
-        "whole conversation",
-        rendered[: bounds[-1]] if not rest.strip() else rendered,
-        bounds[-1],
-    )
+    for (where, ids), end in zip(shown, bounds, strict=True):
+        _count(tokenizer, report, where, _trimmed(tokenizer, where, ids, end), end)
     return report
 
 
