@@ -322,7 +322,8 @@ class RolloutSim:
         # Program-level policies see every tool boundary (they may pause, move or hold the next turn).
         self._programs = getattr(self.policy, "program_level", False)
         # A full-L reservation never changes (a context never outgrows L): no need to report growth.
-        self._follow_kv = rule != "reserve" or reserve < 1.0 or policy is not None
+        follows = getattr(self.policy, "rule", "") != "reserve" or getattr(self.policy, "reserve", 0.0) < 1.0
+        self._follow_kv = follows
         self._schedule_due = False
         self.trajs: list[_Trajectory] = []
         self.events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, index)

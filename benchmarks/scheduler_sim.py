@@ -341,16 +341,20 @@ TIRL_VARIANTS = (
 
 
 def compare_policies(
-    specs: list[TrajectorySpec], n_engines: int, engine: EngineModel, max_len: int
+    specs: list[TrajectorySpec], n_engines: int, engine: EngineModel, max_len: int, only: str = ""
 ) -> list[PolicyRow]:
     """tirl's Admission (its default full L; r=0.7 without pausing; r=0.5 and 0.1 pausing at tool
     calls) beside program-level scheduling, smallest-first (ThunderAgent) and group-first."""
     rows = []
     for name, reserve, pause in TIRL_VARIANTS:
+        if only not in name:
+            continue
         policy = Admission(n_engines, "dynamic", lambda e: engine.kv_tokens, reserve=reserve, pause=pause)
         result = simulate(specs, n_engines, engine, "dynamic", max_len, policy=policy)
         rows.append(PolicyRow(name, result, *wait_stats(specs, result), pauses=policy.pauses))
     for name, order in (("ThunderAgent (smallest-first)", "smallest"), ("group-aware programs", "group")):
+        if only not in name:
+            continue
         policy = ProgramScheduler(n_engines, engine.kv_tokens, order, lambda t: t.spec.prompt_tokens)
         result = simulate(specs, n_engines, engine, "dynamic", max_len, policy=policy)
         rows.append(PolicyRow(name, result, *wait_stats(specs, result), pauses=policy.pauses))
@@ -386,7 +390,7 @@ def program_layout(args: argparse.Namespace) -> None:
                 f"seed {seed}"
             )
             t0 = time.perf_counter()
-            print_policies(compare_policies(specs, args.engines, engine, args.max_len))
+            print_policies(compare_policies(specs, args.engines, engine, args.max_len, args.only))
             print(f"(simulated in {time.perf_counter() - t0:.0f} s)", flush=True)
 
 
@@ -407,6 +411,7 @@ def main() -> None:
         help="only tirl's scheduler vs program-level (ThunderAgent) and group-aware scheduling",
     )
     ap.add_argument("--max-len", type=int, default=8192, help="--programs: L")
+    ap.add_argument("--only", default="", help="--programs: only the policies whose name contains this")
     ap.add_argument(
         "--tool-scale",
         type=float,
