@@ -196,6 +196,8 @@ async def test_a_turn_sampled_in_other_tokens_is_reported_where_it_differs(token
     ]
     assert report.differences[0].trained == [tokenizer.decode([i]) for i in split[off : off + 6]]
     assert report.differences[0].rendered == [tokenizer.decode([i]) for i in canonical[off : off + 6]]
+    # the same text: a split the tokenizer would not write, trained as sampled (not a text difference)
+    assert all(d.resplit for d in report.differences) and report.text_differences == []
 
 
 # A ChatML template without tool support (SmolLM2-Instruct's kind): every message as
@@ -315,10 +317,16 @@ async def test_check_drift_command_on_saved_trajectories(tokenizer, tiny_model_d
     trained = len(split.prompt_ids) + third
     assert f"context of turn 2: {trained} tokens trained, {trained - extra} rendered" in counts_split
     assert neither == "#5: not checked: the record holds neither token ids nor token counts"
-    assert summary == "5 trajectories: 2 drifted, 2 clean, 1 not checked"
+    assert "at token" in ids_split and "(the same text, split otherwise)" in ids_split
+    # token counts alone cannot tell a split from a text difference: #4 counts as drift (exit 1)
+    assert summary == (
+        "5 trajectories: 1 drifted, 1 sampled a split the tokenizer would not write (trained as sampled), "
+        "2 clean, 1 not checked"
+    )
     run = CliRunner().invoke(
         app, ["check-drift", str(tmp_path), "--model", str(tiny_model_dir), "--limit", "1"]
     )
     assert run.exit_code == 0 and run.output.strip().endswith(
-        "1 trajectories: 0 drifted, 1 clean, 0 not checked"
+        "1 trajectories: 0 drifted, 0 sampled a split the tokenizer would not write (trained as sampled), "
+        "1 clean, 0 not checked"
     )

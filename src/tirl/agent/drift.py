@@ -54,6 +54,10 @@ class Difference:
     trained: list[str]  # the trained tokens from it on, each decoded alone (a split shows)
     rendered: list[str]  # the template's tokens from it on
     rendered_length: int | None = None  # counts only: the rendering's tokens where `position` were trained
+    # The same text split into other tokens: the model sampled a split its tokenizer would not write
+    # (`in`+`ical` for `inical`). tirl trains on the sampled tokens; a framework that re-renders the
+    # messages would train on tokens that were never sampled. Not a difference in what the model saw.
+    resplit: bool = False
 
 
 @dataclass
@@ -62,6 +66,11 @@ class DriftReport:
     differences: list[Difference] = field(default_factory=list)
     tool_messages: str = "tool"  # how tool output reached the template: "tool" messages or "user" turns
     counts_only: bool = False  # no token ids in the record: token counts at the turn boundaries compared
+
+    @property
+    def text_differences(self) -> list[Difference]:
+        """The differences in text (the template renders something else), not only in the split."""
+        return [d for d in self.differences if not d.resplit]
 
 
 def check_drift(
@@ -141,8 +150,19 @@ def _compare(tokenizer, report: DriftReport, where: str, rendered: list[int], tr
             at,
             _decode(tokenizer, trained[max(0, at - 8) : at]),
             *_decode_from(tokenizer, at, trained, rendered),
+            resplit=_same_text(_decode(tokenizer, trained), _decode(tokenizer, rendered)),
         )
     )
+
+
+def _same_text(trained: str, rendered: str) -> bool:
+    """The same text, up to what the template writes after the last trained token (its end of turn)."""
+    if not rendered.startswith(trained):
+        return False
+    rest = rendered[len(trained) :]
+    for end in _END_OF_TURN:
+        rest = rest.replace(end, "")
+    return not rest.strip()
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
@@ -325,8 +345,9 @@ def describe(index: int, record: dict, report: DriftReport) -> str:
                 f"{wheres}: {at} tokens trained, {first.rendered_length} rendered, after {first.before!r}"
             )
         else:
+            split = " (the same text, split otherwise)" if all(d.resplit for d in here) else ""
             shown.append(
-                f"{wheres} at token {at}, after {first.before!r}: "
+                f"{wheres} at token {at}{split}, after {first.before!r}: "
                 f"trained {first.trained}, template {first.rendered}"
             )
     differ = f"{len(report.differences)} of {kind}{report.renderings} renderings differ"
