@@ -112,11 +112,21 @@ def announce(cfg, cluster: ClusterShape, arch: str | None, largest_what: str | N
         count = "one measurement (and one per fix it tries when it does not fit)"
     else:
         count = f"one measurement per {largest_what} it tries (about {_CANDIDATES[largest_what]})"
+    caveat = _slower(cluster, cfg)
     return (
         f"planning {spec} ({getattr(config, 'num_hidden_layers', '?')} layers) on {cluster.gpus} GPU(s) "
         f"x {cluster.gpu_memory / GiB:.1f} GiB: each measurement runs a training step on fake tensors (no "
-        f"GPU, no weights), about {_duration(each)} on an idle core; {count}"
+        f"GPU, no weights), about {_duration(each)} on an idle core{caveat}; {count}"
     )
+
+
+def _slower(cluster: ClusterShape, cfg) -> str:
+    """What makes a measurement slower than its estimate (measured: docs/memory-plan.md)."""
+    slower = [why for why, on in (("one GPU", cluster.gpus == 1), ("LoRA", cfg.optim.lora.enabled)) if on]
+    if not slower:
+        return ""
+    verb = "makes" if len(slower) == 1 else "make"
+    return f"; {' and '.join(slower)} {verb} it slower, by far for a large model (docs/memory-plan.md)"
 
 
 _CANDIDATES = {"micro-batch": "4", "context": "6", "model": "up to 6, largest first"}
