@@ -332,24 +332,32 @@ def paper_workload(prompts: int, group: int, max_len: int, tool_scale: float) ->
     )
 
 
-TIRL_VARIANTS = (
-    ("tirl full L (default)", 1.0, True),  # full L is never over its budget: it never pauses
-    ("tirl r=0.7, no pausing", 0.7, False),
-    ("tirl r=0.5 + pausing", 0.5, True),
-    ("tirl r=0.1 + pausing", 0.1, True),
+TIRL_VARIANTS = (  # name, reserve, pause, group affinity
+    ("tirl full L (default)", 1.0, True, True),  # full L is never over its budget: it never pauses
+    ("tirl r=0.7, no pausing", 0.7, False, True),
+    ("tirl r=0.1 + pausing", 0.1, True, True),
+    ("tirl r=0.1 + pausing, spread", 0.1, True, False),
 )
 
 
 def compare_policies(
     specs: list[TrajectorySpec], n_engines: int, engine: EngineModel, max_len: int, only: str = ""
 ) -> list[PolicyRow]:
-    """tirl's Admission (its default full L; r=0.7 without pausing; r=0.5 and 0.1 pausing at tool
-    calls) beside program-level scheduling, smallest-first (ThunderAgent) and group-first."""
+    """tirl's Admission (its default full L; r=0.7 without pausing; r=0.1 pausing at tool calls, with
+    and without group affinity) beside program-level scheduling, smallest-first (ThunderAgent) and
+    group-first."""
     rows = []
-    for name, reserve, pause in TIRL_VARIANTS:
+    for name, reserve, pause, affinity in TIRL_VARIANTS:
         if only not in name:
             continue
-        policy = Admission(n_engines, "dynamic", lambda e: engine.kv_tokens, reserve=reserve, pause=pause)
+        policy = Admission(
+            n_engines,
+            "dynamic",
+            lambda e: engine.kv_tokens,
+            reserve=reserve,
+            pause=pause,
+            group_affinity=affinity,
+        )
         result = simulate(specs, n_engines, engine, "dynamic", max_len, policy=policy)
         rows.append(PolicyRow(name, result, *wait_stats(specs, result), pauses=policy.pauses))
     for name, order in (("ThunderAgent (smallest-first)", "smallest"), ("group-aware programs", "group")):

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tirl.engines.base import EnginePool, KVCapacity, SamplingParams
+from tirl.engines.base import EnginePool, Generation, KVCapacity, SamplingParams
 from tirl.engines.config import EngineConfig
 from tirl.engines.factory import build_pool
 from tirl.engines.scheduler import Admission, RolloutScheduler
@@ -80,6 +80,15 @@ def test_group_prefers_its_engine_while_it_has_room():
     assert [place(policy, "prompt-a", 2_000) for _ in range(3)] == [first] * 3  # 4 x 2000 = budget
     assert place(policy, "prompt-a", 2_000) != first  # spills over only when the home engine is full
     assert place(policy, "prompt-b", 2_000) != first  # a new group goes where there is most room
+
+
+def test_without_group_affinity_a_group_spreads_where_there_is_most_room():
+    policy = Admission(3, "dynamic", group_affinity=False)
+    for e in range(3):
+        policy.set_budget(e, 8_000)
+    assert [place(policy, "prompt-a", 2_000) for _ in range(4)] == [0, 1, 2, 0]
+    pool = RolloutScheduler([_KVReporter("a", 1_000)], group_affinity=False)
+    assert not pool.policy.group_affinity and pool.policy.pause
 
 
 def test_a_queued_trajectory_placed_on_release_joins_its_group():
@@ -508,9 +517,7 @@ class _Turns(_KVReporter):
         super().__init__(name, total)
         self.tokens, self.calls = tokens, 0
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams):
-        from tirl.engines.base import Generation
-
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         self.calls += 1
         await asyncio.sleep(0)
         return Generation([1] * self.tokens, [0.0] * self.tokens, "stop")
