@@ -389,7 +389,7 @@ def program_layout(args: argparse.Namespace) -> None:
     engine = EngineModel(kv_tokens=args.kv_tokens)
     for scale in args.tool_scale:
         shape = paper_workload(args.prompts, args.group, args.max_len, scale)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             specs = shape.sample(seed=seed)
             mean_tool = scale * SANDBOX_MEAN_S
             print(
@@ -420,6 +420,7 @@ def main() -> None:
     )
     ap.add_argument("--max-len", type=int, default=8192, help="--programs: L")
     ap.add_argument("--only", default="", help="--programs: only the policies whose name contains this")
+    ap.add_argument("--first-seed", type=int, default=0, help="--programs: the first batch's seed")
     ap.add_argument(
         "--tool-scale",
         type=float,
