@@ -2,6 +2,12 @@
 
     .venv/bin/python benchmarks/scheduler_sim.py [--engines 4] [--prompts 64] [--group 16]
     .venv/bin/python benchmarks/scheduler_sim.py --paper-layout --prompts 128 --group 32
+    .venv/bin/python benchmarks/scheduler_sim.py --programs --engines 64 --prompts 512 --group 32 \
+        --seeds 1 --kv-tokens 280000 [--only NAME]
+
+--programs: tirl's Admission beside ThunderAgent's program-level scheduling (pause/resume at tool
+calls, smallest-first) and a group-first variant, with tool latencies drawn from the sandbox's
+measured distribution; step time, KV use and waits (docs/scheduler.md).
 
 Each load shape is a batch of prompts x group multi-turn trajectories (length limit L) on E engines
 of one cost model (rollout_sim.EngineModel: a 14B model on one 80 GB GPU). What is modelled (see
