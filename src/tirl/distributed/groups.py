@@ -87,7 +87,7 @@ class RankZeroGate:
         self.passed += 1
         store = dist.distributed_c10d._get_default_store()
         key = f"tirl/rank0/{self.passed}"
-        if self.rank == 0:
+        if self.rank == 0:  # (a rank that dies meanwhile: torchrun's agent stops the others)
             store.set(key, b"1")
             store.wait([f"{key}/{r}" for r in range(1, self.world)], WAIT_TIMEOUT)
         else:
