@@ -4,7 +4,7 @@ From one finished `tirl demo --real` directory: the pretrained model as it is, t
 GRPO-RoC model, each through `tirl eval` with the demo's agent settings on the first N problems of a
 GSM8K test file the user gives (no dataset download), with a 95% Wilson interval on each accuracy.
 
-    .venv/bin/python benchmarks/real_model_gsm8k.py --demo runs/real --data ../shared/data/gsm8k_test.jsonl
+    .venv/bin/python benchmarks/real_model_gsm8k.py --demo runs/real --data PATH/TO/gsm8k_test.jsonl
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[set[str]] = [
     {"tirl", "lifetime", "config", "plugins", "seeds", "devices", "linux", "http_guard", "ports"},  # L0 core
-    {"sandbox", "reward", "data", "tiny_model", "engines", "distributed"},  # L1 leaves
+    {"sandbox", "reward", "data", "tiny_model", "model_import", "engines", "distributed"},  # L1 leaves
     {"agent"},  # L2
     {"runtime"},  # L3
     {"rl"},  # L4

@@ -263,7 +263,9 @@ def test_the_largest_micro_batch_that_fits(wide_dir):
     base = ["--arch", str(wide_dir), "--gpus", "8", "--gpu-memory", "24", "engine.max_model_len=4096"]
     result = _plan_cli([*base, "--largest", "micro-batch"])
     assert result.exit_code == 0, result.output
-    first = result.output.splitlines()[0]
+    # after the progress lines (what is measured, how long), the answer's line, then its plan
+    lines = result.output.splitlines()
+    first = next(line for line in lines if line.startswith("largest "))
     assert first.startswith("largest optim.micro_batch_tokens that fits: ")
     tokens = int(first.rsplit(" ", 1)[1])
     assert tokens >= 4096 and tokens % 4096 == 0 and "FITS" in result.output
