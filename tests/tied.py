@@ -47,3 +47,21 @@ def torchrun(*args: str) -> list[str]:
     """The arguments after `python` that run torchrun (torch.distributed.run) with `args`, torchrun dying
     with this process and its ranks with torchrun."""
     return [str(TORCHRUN), str(os.getpid()), *args]
+
+
+def run_to_the_end_or_fault(cmd: list[str], env: dict, fault: str | None, timeout: float) -> None:
+    """Run `cmd` in its own session (dying with the test all the same), wait for it, kill its whole group
+    (the sandbox and reward workers it left behind), and assert it ended as asked: 0, or SIGKILLed by
+    the fault hook when `fault` is set. `timeout` is a hang guard only: the kill point is the hook."""
+    import contextlib
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(tied(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    want = -signal.SIGKILL if fault else 0
+    assert proc.returncode == want, (fault, proc.returncode, err.decode()[-3000:])

@@ -6,10 +6,6 @@ group was dropped and its prompt re-queued, training every prompt as often as th
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -19,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from tests.rl.test_trainer import _comparable, _write_config, train_in_subprocess
 from tests.terminal import tirl_env
-from tests.tied import tied
+from tests.tied import run_to_the_end_or_fault
 
 from tirl.config import load_config
 from tirl.rl.checkpoint import latest_checkpoint, load_trainer_state
@@ -153,14 +149,7 @@ def _train_held(config, name: str, resume: bool = False, fault: str | None = Non
     env = tirl_env() | ({FAULT_ENV: fault} if fault else {})
     args = ["train", "--config", str(config), "--quiet", f"run_name={name}", *K1]
     cmd = [sys.executable, str(HELD_TRAIN), "0", *args, *(["--resume"] if resume else [])]
-    proc = subprocess.Popen(tied(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE)
-    try:
-        _, err = proc.communicate(timeout=1200)  # a hang guard only: the kill point is the hook
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the sandbox and reward workers it left behind
-    want = -signal.SIGKILL if fault else 0
-    assert proc.returncode == want, (fault, proc.returncode, err.decode()[-3000:])
+    run_to_the_end_or_fault(cmd, env, fault, timeout=1200)
     return config.parent / "runs" / name
 
 

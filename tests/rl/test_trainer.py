@@ -3,12 +3,9 @@ multi-stage run, metrics, checkpoints, and an exact resume after SIGKILLs at cho
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from tests.logprobs import reference_logprobs
-from tests.tied import tied
+from tests.tied import run_to_the_end_or_fault
 
 from tirl.config import ConfigError, load_config
 from tirl.engines.base import SamplingParams
@@ -96,15 +93,7 @@ def train_in_subprocess(
         env[FAULT_ENV] = fault
     cmd = [sys.executable, "-m", "tirl.cli", "train", "--config", str(config), "--quiet", f"run_name={name}"]
     cmd += [*overrides, *(["--resume"] if resume else [])]
-    # its own session (killed as a group below), dying with the test process all the same (tests.tied)
-    proc = subprocess.Popen(tied(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE)
-    try:
-        _, err = proc.communicate(timeout=900)  # a hang guard only: the kill point is the hook, not time
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the sandbox and reward workers it left behind
-    want = -signal.SIGKILL if fault else 0
-    assert proc.returncode == want, (fault, proc.returncode, err.decode()[-3000:])
+    run_to_the_end_or_fault(cmd, env, fault, timeout=900)
     return config.parent / "runs" / name
 
 
