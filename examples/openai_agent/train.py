@@ -160,7 +160,8 @@ async def one_step(step, problems, rng, served, scorer, learner, engine, alg, ar
     kept = [roc_select(g, alg, rng.randrange(2**31)) for g in groups]
     samples = build_samples(groups, kept, alg.advantage)
     update = learner.update(samples, alg) if samples else {}
-    learner.sync_weights(EngineAsRuntime(engine))  # the engine generates the next step with the new weights
+    # the in-process engine generates the next step with the new weights (tirl.runtime.handoff.InProcess)
+    load_sources([engine], learner.sync_tensors(), learner.device)
     everyone = [t for g in groups for t in g]
     return {
         "step": step,
@@ -182,21 +183,6 @@ def save(learner, tokenizer, model_path: str, args: argparse.Namespace) -> None:
     if (Path(model_path) / AGENT_FILE).is_file():
         shutil.copy(Path(model_path) / AGENT_FILE, saved / AGENT_FILE)
     print(f"saved: {saved}", flush=True)
-
-
-class EngineAsRuntime:
-    """What LocalLearner.sync_weights reads of a runtime, for one in-process engine."""
-
-    transport = "load"  # weights handed over in one load_weights call (tirl.runtime.base.Runtime.transport)
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def load_weights(self, weights) -> None:
-        self.engine.load_weights(list(weights))
-
-    def load_sources(self, sources, device) -> dict[str, float]:
-        return load_sources([self.engine], sources, device)
 
 
 if __name__ == "__main__":
