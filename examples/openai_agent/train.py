@@ -178,7 +178,8 @@ async def one_step(step, problems, rng, served, scorer, learner, engine, alg, ar
 def save(learner, tokenizer, model_path: str, args: argparse.Namespace) -> None:
     """The trained model as a tirl checkpoint, with the agent settings the model it started from was
     trained with (tirl eval and chat use them by default)."""
-    learner.save(Path(args.out), args.steps, tokenizer, {"step": args.steps}, keep_last=1)
+    learner.stage_checkpoint(Path(args.out), args.steps)  # the state as it is, then moved into place
+    learner.publish_checkpoint(Path(args.out), args.steps, tokenizer, {"step": args.steps}, keep_last=1)
     saved = Path(args.out) / "checkpoints" / f"step_{args.steps:06d}" / "model"
     if (Path(model_path) / AGENT_FILE).is_file():
         shutil.copy(Path(model_path) / AGENT_FILE, saved / AGENT_FILE)
