@@ -78,4 +78,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from tirl.lifetime import children_die_with_me
+
+    children_die_with_me()  # its engines and evaluations die with it, even on kill -9
     main()
