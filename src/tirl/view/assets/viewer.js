@@ -91,7 +91,7 @@ const COLUMNS = [
   { key: "ncalls", label: "calls", width: "44px", num: true, cell: (t) => esc(t.ncalls) },
   { key: "nerr", label: "errors", width: "52px", num: true, cell: (t) => (t.nerr ? `<span class="bad">${esc(t.nerr)}</span>` : "0") },
   // Turns in which the model wrote a <tool_response> frame itself (made-up tool output).
-  { key: "forged", label: "forged", width: "52px", num: true, cell: (t) => (t.forged ? `<span class="bad">${esc(t.forged)}</span>` : "0") },
+  { key: "forged", label: "forged", width: "60px", num: true, cell: (t) => (t.forged ? `<span class="bad">${esc(t.forged)}</span>` : "0") },
   { key: "len", label: "tokens", width: "56px", num: true, cell: (t) => esc(t.len) },
   { key: "kept", label: "RoC", width: "62px", train: true,
     cell: (t) => (t.roc ? (t.roc.kept ? '<span class="good">kept</span>' : '<span class="muted">dropped</span>') : "") },
