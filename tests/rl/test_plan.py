@@ -159,7 +159,8 @@ def test_the_plan_command_on_the_recipe(tiny_model_dir):
     result = CliRunner().invoke(app, [*args, "--gpus", "2", "--gpu-memory", "1", *small])
     assert result.exit_code == 1 and "DOES NOT FIT" in result.output
     result = CliRunner().invoke(app, [*args, "--gpus", "2", "--gpu-memory", "1", *small, "--json"])
-    plan = json.loads(result.output)  # --json: the whole plan, its verdict included, and nothing else
+    # --json: stdout holds the whole plan, its verdict included, and nothing else (progress: stderr)
+    plan = json.loads(result.stdout)
     assert result.exit_code == 1 and not plan["fits"] and plan["verdict"].startswith("DOES NOT FIT: ")
     assert plan["cluster"]["gpus"] == 2 and plan["cluster"]["gpu_memory"] == 2**30 and plan["advice"]
 
@@ -211,7 +212,7 @@ def test_the_workload_of_an_sft_config_is_its_longest_examples_in_its_token_budg
 
 def test_the_workload_of_an_rl_config_carries_its_engine_and_precision():
     engine = dict(
-        max_model_len=16384, gpu_memory_utilization=0.65, tensor_parallel_size=1, dtype="bfloat16",
+        max_model_len=16384, gpu_memory_utilization=0.85, tensor_parallel_size=1, dtype="bfloat16",
         max_batch_size=256, backend="vllm",
     )  # fmt: skip
     recipe = load_config(TrainConfig, RECIPE / "train.yaml")
