@@ -91,13 +91,23 @@ def check_demo(demo: Path) -> None:
 # ---- the settings both sides share ----
 
 
+def demo_overrides(args: argparse.Namespace) -> list[str]:
+    """The settings the demo was made with: a `tirl demo --real` directory's pretrained-model preset
+    (configs/demo/real.yaml and its model), then the command line's."""
+    from tirl.demo.pipeline import SETTINGS_FILE, real_overrides
+
+    saved = Path(args.demo) / SETTINGS_FILE
+    model = json.loads(saved.read_text())["demo"].get("model") if saved.is_file() else None
+    return [*(real_overrides(model) if model else []), *args.overrides]
+
+
 def side_overrides(args: argparse.Namespace, engine: str) -> list[str]:
     extra = [f"train.engine.backend={engine}"]
     if args.steps is not None:
         extra.append(f"demo.rl_steps={args.steps}")
     if not args.roc:
         extra.append("train.algorithm.roc=off")
-    return [*args.overrides, *extra]
+    return [*demo_overrides(args), *extra]
 
 
 def shared_config(args: argparse.Namespace, engine: str, out: Path, name: str):
@@ -616,7 +626,7 @@ def evaluate(args: argparse.Namespace, results: list[dict], out: Path) -> None:
     from tirl.data import load_problems
     from tirl.demo.pipeline import _evaluate, load_settings
 
-    settings = load_settings(overrides=args.overrides)
+    settings = load_settings(overrides=demo_overrides(args))
     heldout = load_problems(str(Path(args.demo) / "data" / "heldout.jsonl"))
     for r in results:
         if "model" not in r:

@@ -26,6 +26,32 @@ def test_arguments_and_overrides_are_passed_through():
     assert vs_trl.side_overrides(plain, "vllm") == ["train.engine.backend=vllm", "train.algorithm.roc=off"]
 
 
+def test_a_real_model_demo_runs_both_sides_with_its_preset(tmp_path):
+    """`--demo runs/real`: the pretrained model's settings (configs/demo/real.yaml and its model) come
+    from the directory's settings.json, before the command line's; a tiny demo's add nothing."""
+    import json
+
+    from tirl.demo.pipeline import real_overrides
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    demo = tmp_path / "real"
+    demo.mkdir()
+    (demo / "settings.json").write_text(json.dumps({"demo": {"model": str(model)}}))
+    args = vs_trl.parse_args(["--demo", str(demo), "demo.seed=2"])
+    got = vs_trl.side_overrides(args, "vllm")
+    assert got == [
+        *real_overrides(model),
+        "demo.seed=2",
+        "train.engine.backend=vllm",
+        "train.algorithm.roc=off",
+    ]
+    assert f"demo.model={model.resolve()}" in got and "demo.drill_steps=0" in got
+    (demo / "settings.json").write_text(json.dumps({"demo": {"model": None}}))
+    assert vs_trl.demo_overrides(args) == ["demo.seed=2"]
+
+
 @pytest.mark.parametrize(
     "argv",
     [
