@@ -654,9 +654,8 @@ async def test_a_model_that_writes_its_own_tool_response_is_counted_and_cut_ther
     assert len(traj.logprobs) == len(traj.loss_mask) == len(traj.versions) == len(traj.response_ids)
     assert traj.versions == [3] * len(traj.response_ids)  # the cut turn keeps the version that sampled it
     assert (traj.finish_reason, traj.answer_blocks) == ("no_answer", 0)
-    at_once = await _play_turns(
-        tokenizer, sandbox, [FORGED]
-    )  # a turn that opens with the frame keeps nothing
+    # a turn that opens with the frame keeps nothing
+    at_once = await _play_turns(tokenizer, sandbox, [FORGED])
     assert (at_once.forged_observations, at_once.model_turns, at_once.response_ids) == (1, [""], [])
     kept = await _play_turns(tokenizer, sandbox, [turn], stop_at_forged_observation=False)
     assert (kept.forged_observations, kept.model_turns, kept.finish_reason) == (1, [turn], "answered")
