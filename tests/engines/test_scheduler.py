@@ -463,6 +463,15 @@ def test_the_trajectory_whose_turn_ends_on_an_over_full_engine_pauses_itself():
     assert policy.slots[0].reserved == 7_500 and policy.pauses == 1
 
 
+def test_a_trajectory_back_from_its_tool_is_never_paused():
+    policy = _over_full_engine()
+    policy.observe("a", 1_000)
+    assert policy.tool_started("a") == [] and policy.tool_returned("a") == [("a", 0)]  # it runs again
+    policy.observe("b", 6_500)  # 1000 + 6500 + 2 x 1000 > 8000, and nobody is in a tool call now
+    assert policy.pauses == 0 and not policy._placed["a"].paused
+    assert policy.slots[0].reserved == 9_500  # over: the engine's own queue copes, as without pause
+
+
 def test_a_paused_trajectory_resumes_where_there_is_room_when_its_engine_has_none():
     policy = Admission(2, "dynamic", reserve=0.25, pause=True)
     policy.set_budget(0, 4_000)

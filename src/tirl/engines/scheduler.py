@@ -70,7 +70,6 @@ class _Placement:
     floor: int  # the reservation never drops below this (reserve * L; free_kv: L until it starts, then 0)
     reservation: int
     context: int = 0  # KV tokens it holds (last observed)
-    in_tool: bool = False  # its turn ended: a tool call runs, its KV is the engine's prefix cache
     paused: bool = False  # held back at a tool call: it reserves nothing until it resumes
 
 
@@ -187,7 +186,6 @@ class Admission(Generic[Ticket]):
         placement = self._placed[ticket]
         if not self.pause or placement.paused:
             return []
-        placement.in_tool = True
         self._in_tool[placement.engine][ticket] = None
         self._relieve(placement.engine)
         return self._drain()
@@ -195,7 +193,6 @@ class Admission(Generic[Ticket]):
     def tool_returned(self, ticket: Ticket) -> list[tuple[Ticket, int]]:
         """Its tool call returned: it goes on (it is among the tickets returned) or waits to resume."""
         placement = self._placed[ticket]
-        placement.in_tool = False
         self._in_tool[placement.engine].pop(ticket, None)
         if not placement.paused:
             return [(ticket, placement.engine)]
@@ -353,12 +350,12 @@ class _LeasedEngine:
         self._engine = engine
         self._on_context = on_context
         self._turns = turns
-        self._turn = 0
+        self._first_turn = True
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        if self._turns is not None and self._turn:
+        if self._turns is not None and not self._first_turn:
             self._engine = await self._turns[0]()
-        self._turn += 1
+        self._first_turn = False
         self._on_context(len(prompt_ids))
         generation = await self._engine.generate(prompt_ids, params)
         # The context stays cached for the next turn, so it keeps counting while the tool runs.
