@@ -578,3 +578,73 @@ async def test_a_trajectory_cancelled_while_paused_gives_everything_back():
     assert not pool._resuming and not pool.policy._resumes and pool.policy.slots[0].paused == 0
     await other.__aexit__(None, None, None)
     assert pool.policy.slots[0].reserved == 0 and pool.policy.slots[0].active == 0
+
+
+class _Gated(_Turns):
+    """_Turns whose calls with a prompt of a gated length wait for their gate: a turn held mid-flight."""
+
+    def __init__(self, name: str, total: int, tokens: int):
+        super().__init__(name, total, tokens)
+        self.gates: dict[int, asyncio.Event] = {}
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if len(prompt_ids) in self.gates:
+            await self.gates[len(prompt_ids)].wait()
+        return await super().generate(prompt_ids, params)
+
+
+async def _settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def test_a_tool_return_wakes_the_paused_trajectory_that_its_drain_resumes():
+    """w waits to resume; r's growth pauses x, freeing room without a drain; x's tool return drains:
+    w resumes there, and x's next turn (not w's) must hand w its engine."""
+    engine = _Gated("a", 2_000, tokens=100)
+    pool = RolloutScheduler([engine], reserve=0.1)  # floor 0.1 x 1000 = 100 tokens
+    sp = SamplingParams(max_tokens=100)
+    leases = [pool.lease("g", 1_000) for _ in range(3)]
+    w, x, r = [await lease.__aenter__() for lease in leases]
+    tw, tx, _ = list(pool.policy._placed)
+    await w.generate([0] * 300, sp)  # w holds 400, in its tool call
+    await x.generate([0] * 800, sp)  # x 900: 1300 with r's floor 100 + w's 400
+    await r.generate([0] * 1_000, sp)  # 400 + 900 + 1000 > 2000: w pauses; r ends at 1100 (2000)
+    assert pool.policy._placed[tw].paused and pool.policy.pauses == 1
+    w_next = asyncio.create_task(w.generate([0] * 500, sp))
+    await _settle()
+    assert not w_next.done()  # 2000 + 400 > 2000: w waits to resume
+    engine.gates[1_200] = gate = asyncio.Event()
+    r_next = asyncio.create_task(r.generate([0] * 1_200, sp))
+    await _settle()  # r's 1200 (900 + 1200 > 2000): x pauses; 1200 reserved now, r held mid-turn
+    assert pool.policy._placed[tx].paused and pool.policy.slots[0].reserved == 1_200 and not w_next.done()
+    x_next = asyncio.create_task(x.generate([0] * 950, sp))
+    await _settle()  # x's return drains: w resumes (1200 + 400), x waits (1600 + 900 > 2000)
+    assert w_next.done() and not x_next.done()
+    gate.set()
+    await r_next
+    await leases[2].__aexit__(None, None, None)  # r done: x resumes
+    assert len((await x_next).token_ids) == 100
+    for lease in leases[:2]:
+        await lease.__aexit__(None, None, None)
+    assert pool.policy.slots[0].reserved == 0 and not pool._resuming and engine.calls == 6
+
+
+async def test_a_paused_trajectory_resumes_its_next_turn_on_the_engine_with_room():
+    a, b = _Turns("a", 1_000, tokens=100), _Turns("b", 1_000, tokens=100)
+    pool = RolloutScheduler([a, b], reserve=0.1)  # floor 100 for L = 1000
+    sp = SamplingParams(max_tokens=100)
+    leases = [pool.lease("g", 1_000), pool.lease("g", 1_000), pool.lease("h", 1_000)]
+    w, r, _ = [await lease.__aenter__() for lease in leases]  # w and r on a (their group's), h's on b
+    await w.generate([0] * 300, sp)  # w holds 400, in its tool call
+    await r.generate([0] * 700, sp)  # 400 + 700 > 1000: w pauses
+    assert [s.active for s in pool.policy.slots] == [2, 1] and pool.policy.pauses == 1
+    await w.generate([0] * 500, sp)  # a has no room (800 + 400): b re-prefills w's whole context
+    assert (a.calls, b.calls) == (2, 1) and [s.active for s in pool.policy.slots] == [1, 2]
+    engines = pool.metrics()["engines"]
+    assert [e["leases"] for e in engines] == [2, 2] and engines[1]["peak_in_flight"] == 2
+    for lease in leases:
+        await lease.__aexit__(None, None, None)
+    assert [s.reserved for s in pool.policy.slots] == [0, 0] and [
+        e["in_flight"] for e in pool.metrics()["engines"]
+    ] == [0, 0]
