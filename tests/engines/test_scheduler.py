@@ -472,6 +472,27 @@ def test_a_trajectory_back_from_its_tool_is_never_paused():
     assert policy.slots[0].reserved == 9_500  # over: the engine's own queue copes, as without pause
 
 
+def test_a_trajectory_released_in_its_tool_call_is_never_a_pause_victim():
+    policy = _over_full_engine()
+    policy.observe("a", 1_000)
+    policy.tool_started("a")
+    policy.release("a")  # cancelled during its tool call
+    policy.observe("b", 7_000)  # 7000 + 2 x 1000 > 8000, and nobody placed is in a tool call
+    assert policy.pauses == 0 and policy.slots[0].reserved == 9_000
+
+
+def test_a_paused_trajectory_resumes_on_the_engine_with_most_room():
+    policy = Admission(3, "dynamic", reserve=0.25, pause=True)
+    for engine, budget in enumerate((4_000, 3_000, 2_000)):
+        policy.set_budget(engine, budget)
+    assert [policy.submit(t, "g", 4_000) for t in "abc"] == [0, 0, 0]
+    policy.observe("a", 1_500)
+    policy.tool_started("a")
+    policy.observe("b", 1_800)
+    policy.observe("c", 1_000)  # 4300 > 4000: a pauses
+    assert policy.tool_returned("a") == [("a", 1)]  # both others fit it: the one with most room
+
+
 def test_a_paused_trajectory_resumes_where_there_is_room_when_its_engine_has_none():
     policy = Admission(2, "dynamic", reserve=0.25, pause=True)
     policy.set_budget(0, 4_000)
@@ -621,11 +642,15 @@ async def test_a_tool_return_wakes_the_paused_trajectory_that_its_drain_resumes(
     x_next = asyncio.create_task(x.generate([0] * 950, sp))
     await _settle()  # x's return drains: w resumes (1200 + 400), x waits (1600 + 900 > 2000)
     assert w_next.done() and not x_next.done()
+    z_lease = pool.lease("h", 1_000)
+    z = asyncio.create_task(z_lease.__aenter__())
+    await _settle()
+    assert not z.done()  # queued behind x, which waits to resume
     gate.set()
     await r_next
-    await leases[2].__aexit__(None, None, None)  # r done: x resumes
-    assert len((await x_next).token_ids) == 100
-    for lease in leases[:2]:
+    await leases[2].__aexit__(None, None, None)  # r done: x resumes, then z starts (1500 + 100)
+    assert len((await x_next).token_ids) == 100 and z.done()
+    for lease in [*leases[:2], z_lease]:
         await lease.__aexit__(None, None, None)
     assert pool.policy.slots[0].reserved == 0 and not pool._resuming and engine.calls == 6
 
