@@ -132,3 +132,17 @@ def test_an_idle_session_shrinks_to_its_use_and_grows_back_for_a_cell_only_if_it
     assert why is not None and "retry later" in why and adm.sessions_mb == 720
     assert adm.resize_session(700, 10) is None and adm.resize_session(20, 512) is None
     assert adm.sessions_mb == 522
+
+
+def test_a_session_grows_to_exactly_what_is_left_and_not_a_mib_more():
+    adm = rule(budget_mb=1024, calls_reserve_mb=256)  # the sessions' share: 768
+    adm.admit_session(700)
+    assert adm.resize_session(700, 768) is None and adm.sessions_mb == 768  # the whole share
+    why = adm.resize_session(768, 769)
+    assert why is not None and "sessions hold 768 of the 768 MiB" in why and adm.sessions_mb == 768
+    adm = rule(budget_mb=1024, calls_reserve_mb=256)
+    adm.admit_session(300)
+    assert adm.reserve_call(700) is None  # calls may use what sessions leave: 1000 of 1024 held
+    assert adm.resize_session(300, 324) is None and adm.reserved_mb == 1024  # the whole budget
+    why = adm.resize_session(324, 325)
+    assert why is not None and "1024 of 1024 MiB are held by running calls" in why and adm.sessions_mb == 324
