@@ -153,6 +153,21 @@ async def test_idle_sessions_cannot_hold_the_memory_stateless_calls_need():
         assert sb.health()["memory_reserved_mb"] == 0
 
 
+@session_loop
+async def test_an_idle_session_holds_what_its_cgroup_uses_not_its_limit():
+    async with small_pool(memory_budget_mb=1024) as sb, http(sb) as client:
+        resp = await client.post("/sessions", json={"limits": {"memory_mb": 256}})
+        assert resp.status_code == 200, resp.text
+        run = f"/sessions/{resp.json()['session']}/run"
+        resp = await client.post(run, json={"code": "x = bytearray(100 << 20)"})
+        assert resp.status_code == 200 and resp.json()["status"] == "ok", resp.text
+        held = sb.health()["memory_reserved_by_sessions_mb"]
+        assert 100 < held < 256, held  # its 100 MiB and the interpreter, rounded up to whole MiB
+        resp = await client.post(run, json={"code": "del x"})  # the next cell holds its limit, then its use
+        assert resp.status_code == 200 and resp.json()["status"] == "ok", resp.text
+        assert 1 <= sb.health()["memory_reserved_by_sessions_mb"] < held - 90
+
+
 def _post_head(length: int) -> bytes:
     return (
         "POST /run HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer t\r\n"
