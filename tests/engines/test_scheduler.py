@@ -481,16 +481,31 @@ def test_a_trajectory_released_in_its_tool_call_is_never_a_pause_victim():
     assert policy.pauses == 0 and policy.slots[0].reserved == 9_000
 
 
-def test_a_paused_trajectory_resumes_on_the_engine_with_most_room():
-    policy = Admission(3, "dynamic", reserve=0.25, pause=True)
-    for engine, budget in enumerate((4_000, 3_000, 2_000)):
+def _paused_on_engine_0(budgets: tuple[int, ...], others: str = "") -> Admission:
+    """a, b, c on engine 0 (4000 tokens), then `others` (group h) where there is most room; a paused."""
+    policy = Admission(len(budgets), "dynamic", reserve=0.25, pause=True)
+    for engine, budget in enumerate(budgets):
         policy.set_budget(engine, budget)
     assert [policy.submit(t, "g", 4_000) for t in "abc"] == [0, 0, 0]
+    for t in others:
+        policy.submit(t, "h", 4_000)
     policy.observe("a", 1_500)
     policy.tool_started("a")
     policy.observe("b", 1_800)
     policy.observe("c", 1_000)  # 4300 > 4000: a pauses
-    assert policy.tool_returned("a") == [("a", 1)]  # both others fit it: the one with most room
+    assert policy._placed["a"].paused
+    return policy
+
+
+def test_a_paused_trajectory_resumes_on_the_engine_with_most_room():
+    policy = _paused_on_engine_0((4_000, 2_000, 3_000, 2_500))
+    assert policy.tool_returned("a") == [("a", 2)]  # three others fit it: the one with most room
+
+
+def test_between_engines_with_equal_room_a_resume_goes_to_the_less_loaded():
+    policy = _paused_on_engine_0((4_000, 3_000, 2_000), others="d")
+    assert policy.engine_of("d") == 1  # 3000 free: d reserves 1000 of it, leaving 2000 as engine 2 has
+    assert policy.tool_returned("a") == [("a", 2)]  # 2000 each: engine 2 runs nothing
 
 
 def test_a_paused_trajectory_resumes_where_there_is_room_when_its_engine_has_none():
