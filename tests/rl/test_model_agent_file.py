@@ -67,3 +67,20 @@ def test_built_in_tools_load_and_a_foreign_one_is_refused_or_only_warned_about(h
     warning = agent_settings_warning(model, AgentConfig())  # train's preflight: a warning, not an import
     assert warning is not None and "was not loaded" in warning and f"{MODULE}:Tool" in warning
     assert not marker.exists() and MODULE not in sys.modules
+
+
+def test_a_tool_the_users_own_settings_name_is_theirs_to_trust(hostile_model):
+    model, _ = hostile_model
+    mine = "tests.agent.lookup_tool:Lookup"  # a real user tool: trusted, it loads
+    (model / AGENT_FILE).write_text(yaml.safe_dump({"tools": [mine], "max_turns": 1}))
+    agent, path = saved_agent_settings(model, trusted_tools=[mine])
+    assert agent.tools == [mine] and path == model / AGENT_FILE
+    assert agent_settings_warning(model, AgentConfig(tools=[mine], max_turns=1)) is None  # trusted, unchanged
+    (model / AGENT_FILE).write_text(yaml.safe_dump({"tools": [mine, f"{MODULE}:Tool"]}))
+    with pytest.raises(ConfigError) as refused:
+        saved_agent_settings(model, trusted_tools=[mine])
+    assert str(refused.value) == (
+        f"{model / AGENT_FILE} names tools that are not built in: '{MODULE}:Tool'. An agent file saved "
+        "with a model may name built-in tools only (loading one would import its module); if you trust it, "
+        "name the tools in your own agent settings (--agent FILE or agent.tools)"
+    )
