@@ -46,6 +46,19 @@ def test_chunked_head_equals_full_logits(chunk, use_entropy):
         assert torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_chunked_head_in_fp32_equals_full_logits(chunk):
+    """The CPU default: an fp32 head, whose weight gradient is summed in place chunk after chunk (the
+    tests above run fp64 inputs, which take the other branch of the sum)."""
+    inputs = [x.detach().float().requires_grad_(x.requires_grad) for x in _inputs(seed=2)]
+    inputs[2] = _inputs(seed=2)[2]  # the targets stay integers
+    want = _grads(_reference, *inputs, use_entropy=True)
+    got = _grads(lambda h, w, t: chunked_logprobs(h, w, t, chunk), *inputs, use_entropy=True)
+    assert got[3].dtype == torch.float32
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_entropy_as_a_metric_needs_no_gradient():
     """Entropy read only as a metric (not in the loss): no gradient work for it, log-prob grads intact."""
     hidden, weight, targets, a, _ = _inputs(seed=1)
