@@ -184,5 +184,5 @@ def test_placement_holds_any_number_of_turns_and_gives_up_on_a_search_built_to_b
 
 def test_model_turns_of_the_wrong_type_are_one_view_error(forged):
     for bad in ("one string", [1, 2]):
-        with pytest.raises(ViewError, match=r"trajectory #1 .*model_turns is not a list of strings"):
+        with pytest.raises(ViewError, match=r"trajectory #1 .*: model_turns is not a list of strings$"):
             view_record({**forged["silent"].to_dict(), "model_turns": bad}, 0, AGENT)
