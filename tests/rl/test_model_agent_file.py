@@ -76,11 +76,11 @@ def test_a_tool_the_users_own_settings_name_is_theirs_to_trust(hostile_model):
     agent, path = saved_agent_settings(model, trusted_tools=[mine])
     assert agent.tools == [mine] and path == model / AGENT_FILE
     assert agent_settings_warning(model, AgentConfig(tools=[mine], max_turns=1)) is None  # trusted, unchanged
-    (model / AGENT_FILE).write_text(yaml.safe_dump({"tools": [mine, f"{MODULE}:Tool"]}))
+    (model / AGENT_FILE).write_text(yaml.safe_dump({"tools": [mine, f"{MODULE}:Tool", "other:Tool"]}))
     with pytest.raises(ConfigError) as refused:
         saved_agent_settings(model, trusted_tools=[mine])
     assert str(refused.value) == (
-        f"{model / AGENT_FILE} names tools that are not built in: '{MODULE}:Tool'. An agent file saved "
-        "with a model may name built-in tools only (loading one would import its module); if you trust it, "
-        "name the tools in your own agent settings (--agent FILE or agent.tools)"
+        f"{model / AGENT_FILE} names tools that are not built in: '{MODULE}:Tool', 'other:Tool'. An agent file "
+        "saved with a model may name built-in tools only (loading one would import its module); if you "
+        "trust it, name the tools in your own agent settings (--agent FILE or agent.tools)"
     )
