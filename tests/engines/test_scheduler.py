@@ -509,14 +509,7 @@ def test_between_engines_with_equal_room_a_resume_goes_to_the_less_loaded():
 
 
 def test_a_paused_trajectory_resumes_where_there_is_room_when_its_engine_has_none():
-    policy = Admission(2, "dynamic", reserve=0.25, pause=True)
-    policy.set_budget(0, 4_000)
-    policy.set_budget(1, 2_000)
-    assert [policy.submit(t, "g", 4_000) for t in "abc"] == [0, 0, 0]  # the group's engine first
-    policy.observe("a", 1_500)
-    policy.tool_started("a")
-    policy.observe("b", 1_800)
-    policy.observe("c", 1_000)  # 1500 + 1800 + 1000 = 4300 > 4000: a pauses
+    policy = _paused_on_engine_0((4_000, 2_000))
     assert policy._placed["a"].paused and policy.slots[0].reserved == 2_800
     assert policy.tool_returned("a") == [("a", 1)]  # no room at home: engine 1 re-prefills it
     assert policy.engine_of("a") == 1 and policy.slots[1].reserved == 1_500
