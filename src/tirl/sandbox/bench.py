@@ -118,7 +118,8 @@ def cpu_by_part(service_pid: int) -> dict[str, float]:
     """CPU seconds so far of each part of the service: where a call's milliseconds go.
 
     service: HTTP + pool (asyncio); supervisors: moving bytes, watching, classifying; fork servers:
-    forking and reaping; calls: every call process (confinement, the code, exit), counted when reaped.
+    forking and reaping; calls: every call process (confinement, the code, exit), counted when reaped;
+    session processes: the live interpreters of persistent sessions (their cells and their children).
     """
     zygotes = [z for z in _children(service_pid) if b"tirl.sandbox.zygote" in _cmdline(z)]
     servers = [f for z in zygotes for f in _children(z) if _uid(f) == _uid(z)]  # a call runs as a sandbox uid
@@ -128,6 +129,8 @@ def cpu_by_part(service_pid: int) -> dict[str, float]:
         "fork servers": sum(_cpu_s(f)[0] for f in servers),
         # reaped by the fork servers (by the zygotes themselves in a layout without fork servers)
         "call processes": sum(_cpu_s(p)[1] for p in (*servers, *zygotes)),
+        # a persistent session's interpreter lives on between cells: read while alive, never reaped
+        "session processes": sum(sum(_cpu_s(c)) for f in servers for c in _children(f)),
     }
     parts["client (this process)"] = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
     return parts
