@@ -37,7 +37,7 @@ from tirl.runtime import (  # noqa: E402
     open_cluster_placement,
     open_runtime,
 )
-from tirl.runtime.ray_cluster import ClusterError  # noqa: E402
+from tirl.runtime.ray_cluster import PRIVATE_RAY_CONFIG, ClusterError  # noqa: E402
 from tirl.sandbox import SandboxConfig  # noqa: E402
 
 PROBLEMS = [("p1", "What is 12 + 30?", "42"), ("p2", "What is 7 * 6?", "42"), ("p3", "What is 2 ** 5?", "32")]
@@ -49,7 +49,9 @@ def cluster():
     GPU: Ray only counts; the GPUs let the placement tests see which device each actor was given)."""
     from ray.cluster_utils import Cluster
 
-    quiet = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
+    # Workers at niceness 0, as in tirl's private Ray: at Ray's default 15 a busy process beside the
+    # suite starves the actors until the tests time out.
+    quiet = {"prestart_worker_first_driver": False, "enable_worker_prestart": False, **PRIVATE_RAY_CONFIG}
     c = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 4, "num_gpus": 2, "include_dashboard": False, "_system_config": quiet},

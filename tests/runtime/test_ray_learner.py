@@ -12,6 +12,7 @@ tests/runtime/test_ray.py's clusters, minutes a test): what crosses from the dri
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,7 @@ ray = pytest.importorskip("ray")
 from tirl.rl.ray_learner import RayLearner  # noqa: E402
 from tirl.runtime.config import ClusterConfig  # noqa: E402
 from tirl.runtime.handoff import InProcess, RayGroup, pick_transport  # noqa: E402
+from tirl.runtime.ray_cluster import connect  # noqa: E402
 
 
 class Member:
@@ -35,6 +37,9 @@ class Member:
     def __init__(self, n: int) -> None:
         self.n = n  # its node: 10.0.0.n
         self.reset(None)
+
+    def niceness(self) -> int:
+        return os.nice(0)
 
     def reset(self, reply: object, refuse: tuple[str, ...] = ()) -> None:
         """`refuse`: the calls ("join", "leave") that fail, as a member that cannot reach the group."""
@@ -89,7 +94,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def pool():
     """Recording actors, started once (each is a worker process: a second or two) and reset per use."""
-    ray.init(num_cpus=1, include_dashboard=False, namespace="tirl-test-ray-learner", log_to_driver=False)
+    connect(ClusterConfig(backend="ray", namespace="tirl-test-ray-learner"))  # tirl's private Ray
     yield [ray.remote(num_cpus=0)(Member).remote(n) for n in range(4)]
     ray.shutdown()
 
@@ -106,6 +111,11 @@ def _calls(actor) -> list[tuple]:
 
 def _engine(actor, name: str, ranks: int = 1, dtype: str = "torch.bfloat16"):
     return SimpleNamespace(name=name, ranks=ranks, dtype=dtype, revived=False, up=True, actor=actor)
+
+
+def test_the_private_rays_actors_run_at_niceness_0(pool):
+    """Ray's default 15 hands their CPU to any ordinary process on a shared machine."""
+    assert ray.get([actor.niceness.remote() for actor in pool]) == [0] * len(pool)
 
 
 def test_each_ray_worker_receives_only_its_own_shard(pool):

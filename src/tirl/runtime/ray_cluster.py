@@ -35,6 +35,13 @@ NOTICE_AFTER_S = 10.0  # a placement group not placed by then: say that tirl wai
 SCHEDULE_TIMEOUT_S = READY_TIMEOUT_S
 
 
+# Ray starts its workers at niceness 15 (background work beside a driver that matters more). tirl's
+# actors are the run itself: at 15, any ordinary process on a shared machine takes their CPU (a busy
+# loop at niceness 0 left a Ray test's actors ~3% of a core). A cluster that `ray start` made keeps its
+# own setting: start it with RAY_worker_niceness=0 (docs/distributed.md).
+PRIVATE_RAY_CONFIG = {"worker_niceness": 0}
+
+
 class ClusterError(RuntimeError):
     """The Ray cluster cannot run what the config asks for; the message says what and why."""
 
@@ -55,7 +62,12 @@ def connect(cluster: ClusterConfig, num_engines: int = 1, trainer_ranks: int = 0
     if cluster.address is None:
         # address="local": a new Ray of its own; with no address Ray joins a cluster that `ray start`
         # left running on this machine, and refuses num_cpus there.
-        ray.init(address="local", num_cpus=cluster.private_ray_cpus(num_engines, trainer_ranks), **options)
+        ray.init(
+            address="local",
+            num_cpus=cluster.private_ray_cpus(num_engines, trainer_ranks),
+            _system_config=PRIVATE_RAY_CONFIG,
+            **options,
+        )
         return ray
     if cluster.address != "auto":
         host, _, port = cluster.address.rpartition(":")
