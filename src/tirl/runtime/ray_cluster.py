@@ -38,7 +38,7 @@ SCHEDULE_TIMEOUT_S = READY_TIMEOUT_S
 # Ray starts its workers at niceness 15 (background work beside a driver that matters more). tirl's
 # actors are the run itself: at 15, any ordinary process on a shared machine takes their CPU (a busy
 # loop at niceness 0 left a Ray test's actors ~3% of a core). A cluster that `ray start` made keeps its
-# own setting: start it with RAY_worker_niceness=0 (docs/distributed.md).
+# own setting: start it with RAY_worker_niceness=0 (docs/scaling.md).
 PRIVATE_RAY_CONFIG = {"worker_niceness": 0}
 
 

@@ -40,7 +40,7 @@ class _Reply:
 
 class _Http:
     """Keep-alive HTTP/1.1 to the services over aiohttp, whose client costs about a third of httpx's CPU
-    per request (0.24 against 0.81 ms, measured on a session's cells: docs/lab-notebook.md). Bodies
+    per request (0.24 against 0.81 ms, measured on a session's cells: docs/sandbox-sessions.md). Bodies
     are JSON in ASCII, so a lone surrogate in a model's tool call ("\\ud800") travels escaped instead of
     failing to encode. Opened on first use, inside the event loop that uses it."""
 
