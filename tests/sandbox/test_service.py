@@ -84,6 +84,41 @@ async def test_garbage_requests_get_clear_4xx(service, path, body, status, messa
     assert message in str(text), text
 
 
+def _rejected(metrics: str) -> float:
+    return sum(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("tirl_sandbox_bad_requests_total")
+    )
+
+
+async def test_a_session_cell_is_refused_as_every_route_refuses(service):
+    """POST /sessions/{id}/run is served before FastAPI's routing (server._SessionCells): its guard,
+    its refusals and their count are still the service's."""
+    async with _http(service) as http:
+        opened = await http.post("/sessions", json={})
+        run = f"/sessions/{opened.json()['session']}/run"
+        before = _rejected((await http.get("/metrics")).text)
+        cases = [
+            (run, b"{not json", 400, "not JSON"),
+            (run, b'{"code": 5}', 422, "body.code"),
+            (run, b'{"code": "1", "language": "cpp"}', 400, "unsupported language"),
+            (run, b'{"code": "1", "limits": {"memory_mb": 64}}', 422, "set when it is opened"),
+            ("/sessions/nope/run", b'{"code": "1"}', 404, "no live session 'nope'"),
+        ]
+        for path, body, status, message in cases:
+            resp = await http.post(path, content=body, headers={"content-type": "application/json"})
+            assert (resp.status_code, message in resp.json()["error"]) == (status, True), (path, resp.text)
+        assert _rejected((await http.get("/metrics")).text) == before + len(cases)
+        assert (await http.get(run)).status_code == 405
+        ok = await http.post(run, json={"code": "x = 6 * 7\nx"})
+        assert (ok.status_code, ok.json()["stdout"], ok.json()["status"]) == (200, "42\n", "ok")
+        await http.delete(run.removesuffix("/run"))
+    async with httpx.AsyncClient(base_url=service.endpoints[0]) as anonymous:
+        resp = await anonymous.post(run, json={"code": "print(1)"})
+    assert resp.status_code == 401, "the token is checked before a cell is looked at"
+
+
 async def test_huge_body_is_refused(service):
     async with _http(service) as http:
         resp = await http.post(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tirl.sandbox import ExecResult, Limits, Sandbox, Status
@@ -95,6 +97,16 @@ def test_sandboxfusion_mapping():
 def test_result_roundtrip():
     r = ExecResult(Status.TIMEOUT, stdout="x", message="Timed out after 1.0 s", extra={"queue_ms": 1.0})
     assert ExecResult.from_dict(r.to_dict()) == r
+
+
+def test_a_results_dict_is_plain_valid_json_and_its_own_copy():
+    r = ExecResult(Status.OK, extra={"addresses": ("0x1",), "nested": {"k": [1]}})
+    r.stdout, r.extra["note"] = "a\udc80", "b\ud800"  # set after construction: still made valid
+    d = r.to_dict()
+    assert json.loads(json.dumps(d, ensure_ascii=False)) == d and type(d["status"]) is str
+    assert (d["stdout"], d["extra"]["note"], d["extra"]["addresses"]) == ("a\\udc80", "b\\ud800", ["0x1"])
+    d["extra"]["nested"]["k"].append(2)
+    assert r.extra["nested"] == {"k": [1]}, "the dict shares nothing mutable with the result"
 
 
 @session_loop
