@@ -678,3 +678,6 @@ async def test_a_call_before_a_forged_response_runs_and_only_the_real_response_f
     assert first_tool.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n42")
     generated = "".join(traj.model_turns)
     assert "41" not in generated and "<|im_start|>" not in generated
+    answer = " </reason><answer>\\boxed{42}</answer><|im_end|>"
+    twice = await _play_turns(tokenizer, sandbox, [forging, forging, answer], stop_at_tool_call=False)
+    assert (twice.forged_observations, twice.finish_reason) == (2, "answered"), "each forged turn counts"
