@@ -6,6 +6,7 @@ searches are test_plan_shapes.py's."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from transformers import Qwen3Config
 import tirl
 from tirl.config import load_config
 from tirl.rl import planner
-from tirl.rl.config import SFTConfig
+from tirl.rl.config import LoraConfig, SFTConfig
 from tirl.rl.plan import (
     QWEN3_14B,
     ClusterShape,
@@ -318,3 +319,60 @@ def test_the_advice_names_the_utilization_the_fix_sets():
     assert starved.advice[0].endswith(": set engine.gpu_memory_utilization=0.92")
     assert utilization_range(config, starved) == (0.92, 0.94)
     assert plan_at(0.92).fits and plan_at(0.94).fits and not plan_at(0.95).fits
+
+
+def test_the_planner_says_what_it_measures_how_long_it_takes_and_what_slows_it():
+    """`tirl plan`'s words before and while it measures (the CLI test checks one real run's first lines)."""
+    lora = {"rank": 8}
+    assert planner.describe(Workload((2, 16384), lora=lora), 8) == (
+        "a training step of 2 x 16384 tokens per micro-batch on rank 0 of 8, gradient checkpointing + LoRA"
+    )
+    bare = Workload((1, 512), gradient_checkpointing=False)
+    assert planner.describe(bare, 1) == "a training step of 1 x 512 tokens per micro-batch on one GPU"
+    assert planner.measurement_seconds(CONFIG) == pytest.approx(2.0 + 0.6 * 2)
+    assert planner.measurement_seconds(object()) == pytest.approx(2.6)  # no layer count: one layer
+    assert [planner._duration(s) for s in (89.4, 90.0, 150.0)] == ["89 s", "1.5 minutes", "2.5 minutes"]
+    cfg = load_config(SFTConfig, Path(tirl.__file__).parent / "configs" / "rstar2" / "sft.yaml")
+    one, eight = ClusterShape(1, 80 * GiB), ClusterShape(8, 80 * GiB)
+    assert planner._slower(eight, cfg) == "" and not cfg.optim.lora.enabled
+    slower = "it slower, by far for a large model (docs/memory-plan.md)"
+    assert planner._slower(one, cfg) == f"; one GPU makes {slower}"
+    lora_on = cfg.optim.model_copy(update={"lora": LoraConfig(enabled=True)})
+    with_lora = cfg.model_copy(update={"optim": lora_on})
+    assert planner._slower(one, with_lora) == f"; one GPU and LoRA make {slower}"
+    assert planner._slower(eight, with_lora) == f"; LoRA makes {slower}"
+    said = planner.announce(cfg, one, "qwen3-0.6b", None)
+    assert said == (
+        "planning qwen3-0.6b (28 layers) on 1 GPU(s) x 80.0 GiB: each measurement runs a training step on "
+        "fake tensors (no GPU, no weights), about 19 s on an idle core"
+        f"; one GPU makes {slower}; one measurement (and one per fix it tries when it does not fit)"
+    )
+    said = planner.announce(cfg, eight, "qwen3-0.6b", "context")
+    assert said.endswith("on an idle core; one measurement per context it tries (about 6)"), said
+
+
+def test_a_running_measurement_reports_its_progress_and_a_cached_one_nothing(monkeypatch):
+    """Inside `reporting`: 'measuring ...' after a second and every HEARTBEAT_S while it runs, then
+    what it found; a measurement back at once (cached) and one outside `reporting` say nothing."""
+
+    def slow(config, world, workload):
+        time.sleep(1.35)
+        return stand_in(config, world, workload)
+
+    monkeypatch.setattr(planner, "measured", slow)
+    monkeypatch.setattr(planner, "HEARTBEAT_S", 0.2)
+    workload = Workload((2, 1024))
+    lines: list[str] = []
+    with planner.reporting(lines.append):
+        found = planner._measured(CONFIG, 8, workload)
+    assert found == stand_in(CONFIG, 8, workload)
+    what = planner.describe(workload, 8)
+    assert lines[0] == f"  measuring {what} ... 1 s" and 2 <= len(lines) - 1 <= 3, lines
+    assert all(line.startswith(f"  measuring {what} ... ") for line in lines[:-1])
+    assert lines[-1] == f"  measured {what}: peak {found.peak / GiB:.1f} GiB (1 s)"
+    monkeypatch.setattr(planner, "measured", stand_in)
+    said = list(lines)
+    with planner.reporting(lines.append):
+        planner._measured(CONFIG, 8, workload)
+    assert lines == said, "a measurement back at once (cached) says nothing"
+    assert planner._measured(CONFIG, 8, workload) == found  # no reporting: measured, nothing said
