@@ -321,7 +321,7 @@ def test_the_advice_names_the_utilization_the_fix_sets():
     assert plan_at(0.92).fits and plan_at(0.94).fits and not plan_at(0.95).fits
 
 
-def test_the_planner_says_what_it_measures_how_long_it_takes_and_what_slows_it():
+def test_the_planner_says_what_it_measures_how_long_it_takes_and_what_slows_it(monkeypatch):
     """`tirl plan`'s words before and while it measures (the CLI test checks one real run's first lines)."""
     lora = {"rank": 8}
     assert planner.describe(Workload((2, 16384), lora=lora), 8) == (
@@ -331,7 +331,8 @@ def test_the_planner_says_what_it_measures_how_long_it_takes_and_what_slows_it()
     assert planner.describe(bare, 1) == "a training step of 1 x 512 tokens per micro-batch on one GPU"
     assert planner.measurement_seconds(CONFIG) == pytest.approx(2.0 + 0.6 * 2)
     assert planner.measurement_seconds(object()) == pytest.approx(2.6)  # no layer count: one layer
-    assert [planner._duration(s) for s in (89.4, 90.0, 150.0)] == ["89 s", "1.5 minutes", "2.5 minutes"]
+    durations = [planner._duration(s) for s in (89.4, 90.0, 150.0, 600.0)]
+    assert durations == ["89 s", "1.5 minutes", "2.5 minutes", "10.0 minutes"]
     cfg = load_config(SFTConfig, Path(tirl.__file__).parent / "configs" / "rstar2" / "sft.yaml")
     one, eight = ClusterShape(1, 80 * GiB), ClusterShape(8, 80 * GiB)
     assert planner._slower(eight, cfg) == "" and not cfg.optim.lora.enabled
@@ -349,6 +350,8 @@ def test_the_planner_says_what_it_measures_how_long_it_takes_and_what_slows_it()
     )
     said = planner.announce(cfg, eight, "qwen3-0.6b", "context")
     assert said.endswith("on an idle core; one measurement per context it tries (about 6)"), said
+    monkeypatch.setattr(planner, "architecture_config", lambda spec: object())  # no layer count known
+    assert planner.announce(cfg, eight, "mystery", None).startswith("planning mystery (? layers) on 8 GPU(s)")
 
 
 def test_a_running_measurement_reports_its_progress_and_a_cached_one_nothing(monkeypatch):
