@@ -373,6 +373,16 @@ def test_a_running_measurement_reports_its_progress_and_a_cached_one_nothing(mon
     assert lines[0] == f"  measuring {what} ... 1 s" and 2 <= len(lines) - 1 <= 3, lines
     assert all(line.startswith(f"  measuring {what} ... ") for line in lines[:-1])
     assert lines[-1] == f"  measured {what}: peak {found.peak / GiB:.1f} GiB (1 s)"
+
+    def quick(config, world, workload):
+        time.sleep(0.3)  # under a second: no heartbeat yet, but measured
+        return stand_in(config, world, workload)
+
+    monkeypatch.setattr(planner, "measured", quick)
+    with planner.reporting(lines.append):
+        planner._measured(CONFIG, 8, workload)
+    assert lines[-2:] == [lines[-2], f"  measured {what}: peak {found.peak / GiB:.1f} GiB (0 s)"], lines
+    assert lines[-2].startswith("  measured"), "no heartbeat within the first second"
     monkeypatch.setattr(planner, "measured", stand_in)
     said = list(lines)
     with planner.reporting(lines.append):
