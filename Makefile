@@ -35,9 +35,10 @@ browser:
 		|| echo "warning: chromium is missing: the browser tests will be skipped (under CI=true: fail)"
 
 test: install browser smollm2
-	@# two xdist workers (tests/conftest.py groups tests that share a setup); the 25 slowest tests,
+	@# three xdist workers on two cores: a sixth of a worker's time is waits (processes, servers, Ray),
+	@# which the third fills (tests/conftest.py groups tests that share a setup); the 25 slowest tests,
 	@# so CI's log records them (docs/development.md lists the slowest 20)
-	$(VENV)/bin/pytest -q -n 2 --durations=25
+	$(VENV)/bin/pytest -q -n 3 --durations=25
 
 test-fast: install browser
 	$(VENV)/bin/pytest -q -m "not slow and not vllm"

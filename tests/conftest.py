@@ -67,7 +67,7 @@ def qwen3():
     return AutoTokenizer.from_pretrained(Path(spec.origin).parent / "tokenizer_files")
 
 
-# `make test` runs the suite on two pytest-xdist workers. A group below runs on one worker, in order:
+# `make test` runs the suite on three pytest-xdist workers. A group below runs on one worker, in order:
 # a directory whose tests share a session fixture (built once, not once per worker), and the Ray files
 # (one simulated cluster at a time; their tests count the cluster's processes).
 SHARED_DIRS = ("tests/agent/", "tests/demo/", "tests/realmodel/", "tests/sandbox/", "tests/view/")
@@ -98,7 +98,7 @@ def xdist_group_of(nodeid: str) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share two cores: one torch thread each
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share two cores: one torch thread each
         os.environ["OMP_NUM_THREADS"] = "1"
 
 

@@ -18,8 +18,9 @@ def reference_logprobs(
 
 
 async def check_seeded_with_reference_logprobs(engine, prompt: list[int], model_dir) -> None:
-    """An engine's sampling is seeded (same seed, same tokens; another seed, others) and the log-probs
-    it reports are the model's under transformers: the contract every backend keeps."""
+    """An engine's sampling is seeded (same seed, same tokens, here side by side in one batch; another
+    seed, others) and the log-probs it reports are the model's under transformers: the contract every
+    backend keeps (the HF engine on CPU with one intra-op thread: tirl.engines.hf)."""
     import asyncio
 
     from transformers import AutoModelForCausalLM

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 from tests.logprobs import check_seeded_with_reference_logprobs
 
 from tirl.agent.config import AgentConfig
@@ -28,6 +29,9 @@ def test_engine_logprobs_are_the_trainers_and_turns_end_at_im_end(
     cfg = EngineConfig(
         backend=backend, model=str(smollm2_dir), device="cpu", max_model_len=1024, kv_cache_gb=0.3
     )
+    threads = torch.get_num_threads()
+    if backend == "hf":  # seeded sampling is batch-invariant with one intra-op thread (tirl.engines.hf)
+        torch.set_num_threads(1)
     [engine] = build_engines(cfg)
 
     async def check() -> None:
@@ -41,3 +45,4 @@ def test_engine_logprobs_are_the_trainers_and_turns_end_at_im_end(
         asyncio.run(check())
     finally:
         asyncio.run(engine.close())
+        torch.set_num_threads(threads)

@@ -15,12 +15,12 @@ from tirl.demo import real_overrides, run_demo
 pytestmark = pytest.mark.timeout(1500)  # engine starts and a 30-layer update on a loaded 2-core machine
 
 SMALLEST = [
-    "demo.sft_problems=8",
+    "demo.sft_problems=2",  # two traces, one SFT step: ~250 tokens (8 made ~1000, ~30 s of a loaded core)
     "demo.rl_problems=8",
     "demo.heldout_problems=2",
     "demo.rl_steps=1",
     "demo.checks=warn",  # one SFT step teaches no format: the report says so instead of stopping
-    "sft.batch_size=8",  # one step
+    "sft.batch_size=2",  # one step
     "agent.max_turns=2",
     "agent.max_response_tokens=96",
     "agent.max_turn_tokens=64",

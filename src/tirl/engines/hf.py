@@ -4,7 +4,10 @@ Concurrent generate() calls join one running batch at the next decode step and l
 they finish, so hundreds of trajectories share the model without waiting for each other. The batch
 keeps one left-padded KV cache; a joining group is prefilled on its own and padded into it.
 Sampling is vectorized but seeded per request (one uniform per token from the request's own RNG),
-so a request's tokens do not depend on what else shares the batch.
+so a request's tokens do not depend on what else shares the batch, as far as the forward pass gives
+each row the same numbers: on CPU with one intra-op thread it does; with two, the GEMMs round rows
+differently and SmolLM2-135M at temperature 1 sampled two requests of the same prompt and seed, side by
+side in one batch, differently (the same two every time: deterministic, but not batch-invariant).
 """
 
 from __future__ import annotations
