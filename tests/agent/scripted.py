@@ -92,7 +92,12 @@ async def _record(tokenizer, tools, script: Script, cfg: AgentConfig) -> Recordi
 
 
 def teach(model: torch.nn.Module, recordings: list[Recording], steps: int = 200, lr: float = 4e-3) -> float:
-    """Fine-tune `model` in place until greedy decoding reproduces the recorded responses; returns the loss."""
+    """Fine-tune `model` in place until greedy decoding reproduces the recorded responses; returns the loss.
+
+    It stops when every trained token is its position's most likely one with probability >= 0.9 (then
+    greedy decoding, teacher-forced by its own tokens, replays each recording, with a margin no float
+    difference between this padded forward and an engine's cached one can cross): ~115 steps, where a
+    mean loss of 3e-3 took ~140 (0.4 s each)."""
     torch.manual_seed(0)
     seqs = [r.prompt_ids + r.response_ids for r in recordings]
     width = max(map(len, seqs))
@@ -112,13 +117,22 @@ def teach(model: torch.nn.Module, recordings: list[Recording], steps: int = 200,
     model.train()
     try:
         for _ in range(steps):
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if loss.item() < 3e-3:
+            out = model(input_ids=ids, attention_mask=attn, labels=labels)
+            if _replays(out.logits, labels):
                 break
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
     finally:
         model.eval()
         torch.set_num_threads(threads)
-    return loss.item()
+    return out.loss.item()
+
+
+def _replays(logits: torch.Tensor, labels: torch.Tensor, margin: float = 0.9) -> bool:
+    """Whether each trained label is its position's argmax with probability >= margin."""
+    with torch.no_grad():
+        logp, target = logits[:, :-1].float().log_softmax(-1), labels[:, 1:]
+        trained = target != -100
+        picked = logp.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1)[trained]
+        return bool((logp.argmax(-1) == target)[trained].all() and picked.exp().min() >= margin)
