@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -240,6 +241,11 @@ def test_engine_and_sandbox_killed_mid_rollout_lose_nothing(cluster, tiny_model_
     async def main():
         async with open_runtime(cc, _engine_cfg(tiny_model_dir), sandbox, RewardConfig(workers=1)) as rt:
             assert len({e.node for e in rt.engines}) == 2  # one engine actor per node
+            # The sandbox and reward actors' module imports no torch (tirl.runtime.ray_services).
+            light = _our_actors("ray::SandboxNode") + _our_actors("ray::RewardWorker")
+            assert len(light) == 3 and not [
+                p for p in light if "libtorch" in Path(f"/proc/{p.pid}/maps").read_text()
+            ]
             clean = await _rollout(rt, problems)
             rt.engine_metrics()
 
@@ -405,16 +411,23 @@ def test_tirl_eval_on_the_cluster_spreads_over_all_engines(cluster, tiny_model_d
     assert sum(leases) == len(PROBLEMS) * 4 and min(leases) > 0
 
 
-def _our_sandbox_services() -> list:
-    """The `tirl sandbox serve` processes of this cluster's SandboxNode actors (its raylets are this
-    process's children), not another test run's on the same machine."""
-    import psutil
-
+def _our_actors(title: str) -> list:
+    """This cluster's actor processes whose title starts with `title` (its raylets are this process's
+    children), not another test run's on the same machine."""
     found = []
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):  # a process that exited (or a zombie) meanwhile
-            if " ".join(p.cmdline()).startswith("ray::SandboxNode"):
-                found += [child for child in p.children() if "serve" in child.cmdline()]
+            if " ".join(p.cmdline()).startswith(title):
+                found.append(p)
+    return found
+
+
+def _our_sandbox_services() -> list:
+    """The `tirl sandbox serve` processes of this cluster's SandboxNode actors."""
+    found = []
+    for node in _our_actors("ray::SandboxNode"):
+        with contextlib.suppress(psutil.Error):
+            found += [child for child in node.children() if "serve" in child.cmdline()]
     return found
 
 
