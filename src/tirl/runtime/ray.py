@@ -1,5 +1,6 @@
 """The `ray` runtime: engines, sandboxes and reward workers placed across nodes (the trainer ranks:
-tirl.rl.ray_learner; where each actor goes: tirl.runtime.ray_cluster).
+tirl.rl.ray_learner; where each actor goes: tirl.runtime.ray_cluster; the torch-free sandbox-node and
+reward actors: tirl.runtime.ray_services).
 
     driver (tirl train: rl_step top to bottom)
       ├─ EngineWorker actors (their placement slots: engine i on any node, or sharing trainer rank i's
